@@ -1,0 +1,52 @@
+"""Exception types.
+
+Every error derives from nvidia-resiliency-ext's ``CheckpointingException`` so code written
+for its ``LocalCheckpointManager`` (Megatron-LM's local-checkpoint path) catches ours too.
+Messages name the offending key/file/peer and the fix.
+"""
+
+from __future__ import annotations
+
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
+    CheckpointingException as _NrxCheckpointingException,
+)
+
+
+class CheckpointingException(_NrxCheckpointingException):
+    """Base class of every resilient_ckpt error."""
+
+
+class ValidationError(CheckpointingException, ValueError):
+    """A sharded state dict is inconsistent (overlap, gap, dtype or shape mismatch, bad key)."""
+
+
+class HollowStateError(CheckpointingException):
+    """An operation needs tensors but the state dict is hollow (or the reverse)."""
+
+
+class CodecError(CheckpointingException, ValueError):
+    """A value cannot be encoded without pickle, or stored bytes do not decode."""
+
+
+class StoreError(CheckpointingException):
+    """The in-memory store cannot satisfy a request."""
+
+
+class StoreFullError(StoreError):
+    """Not enough shared memory or memory budget for a checkpoint; nothing was written."""
+
+
+class CorruptCheckpointError(StoreError):
+    """Stored bytes fail their checksum or their header does not parse."""
+
+
+class ForeignCheckpointError(StoreError):
+    """Stored data belongs to another session, world size or format version."""
+
+
+class ReplicationError(CheckpointingException):
+    """A replica could not be sent or received (peer dead, timeout, mismatch)."""
+
+
+class CollectiveTimeoutError(CheckpointingException, TimeoutError):
+    """A collective among checkpoint ranks did not finish in time."""

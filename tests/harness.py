@@ -1,0 +1,195 @@
+"""The one multi-process harness every distributed test uses.
+
+``run_ranks(fn, world_size, ...)`` starts ``world_size`` real processes (forkserver with torch
+preloaded, so a rank starts in well under a second), joins them into a gloo process group on
+127.0.0.1 with a free port, calls ``fn(ctx, *args)`` in each and returns the per-rank results
+in rank order. Nodes are simulated by giving each group of ``ranks_per_node`` ranks its own
+store root under ``tmp_root``. A rank may end itself with SIGKILL (fault injection at an exact
+code point, no sleeps); its result is then :data:`KILLED`.
+
+An exception in any rank is re-raised in the test with that rank's traceback. A run that
+exceeds ``timeout`` is killed and reported with whatever ranks did finish.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+
+class _Killed:
+    def __repr__(self) -> str:
+        return "KILLED"
+
+
+KILLED = _Killed()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankContext:
+    """What a rank function gets: its identity, its node's store root and scratch space."""
+
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    tmp_root: str
+    extra_env: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def store_root(self) -> str:
+        return node_store_root(self.tmp_root, self.node)
+
+    def kill_self(self) -> None:
+        """End this rank the way a crash does: SIGKILL, no cleanup, no atexit."""
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def node_store_root(tmp_root: str, node: int) -> str:
+    return str(Path(tmp_root) / f"node{node}")
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _entry(fn, ctx: RankContext, port: int, args, result_q, timeout_s: float) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(ctx.rank),
+        WORLD_SIZE=str(ctx.world_size),
+        LOCAL_RANK=str(ctx.local_rank),
+        LOCAL_WORLD_SIZE=str(ctx.ranks_per_node),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        **ctx.extra_env,
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        out = fn(ctx, *args)
+        result_q.put((ctx.rank, "ok", out))
+    except BaseException as e:  # report everything, the parent decides
+        result_q.put((ctx.rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+_CTX = None
+
+
+def _mp_context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "resilient_ckpt"])
+    return _CTX
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp_root: str | os.PathLike,
+    *,
+    ranks_per_node: Optional[int] = None,
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    collective_timeout: float = 60.0,
+    expect_killed: Sequence[int] = (),
+    extra_env: Optional[Dict[str, str]] = None,
+) -> List[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; results in rank order.
+
+    ``expect_killed`` lists ranks that are meant to SIGKILL themselves; any other rank that
+    dies or raises fails the test. Ranks that fail *because* a killed peer vanished are the
+    test's business: ``fn`` should catch and return what it observed.
+    """
+    ctx_mp = _mp_context()
+    rpn = ranks_per_node or world_size
+    port = free_port()
+    q = ctx_mp.Queue()
+    procs = []
+    for r in range(world_size):
+        ctx = RankContext(r, world_size, rpn, str(tmp_root), dict(extra_env or {}))
+        p = ctx_mp.Process(
+            target=_entry, args=(fn, ctx, port, tuple(args), q, collective_timeout), daemon=True
+        )
+        p.start()
+        procs.append(p)
+    results: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
+    import queue as _queue
+    import time
+
+    deadline = time.monotonic() + timeout
+    pending = set(range(world_size))
+    while pending:
+        try:
+            rank, status, payload = q.get(timeout=0.2)
+        except _queue.Empty:
+            for r in list(pending):
+                if not procs[r].is_alive() and procs[r].exitcode is not None:
+                    # died without reporting: SIGKILL (expected or not)
+                    if procs[r].exitcode == -signal.SIGKILL and r in expect_killed:
+                        results[r] = KILLED
+                    else:
+                        errors[r] = f"process exited with code {procs[r].exitcode} and no result"
+                    pending.discard(r)
+            if time.monotonic() > deadline:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                raise RankFailed(
+                    f"timeout after {timeout}s; ranks still running: {sorted(pending)}; "
+                    f"finished: {sorted(results)}; errors: {errors}"
+                )
+            continue
+        pending.discard(rank)
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors[rank] = payload
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    unexpected_kills = [r for r in expect_killed if results.get(r) is not KILLED]
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        raise RankFailed(f"{len(errors)} rank(s) failed:\n{msg}")
+    if unexpected_kills:
+        raise RankFailed(f"ranks {unexpected_kills} were expected to be killed but finished")
+    return [results[r] for r in range(world_size)]
