@@ -1,0 +1,101 @@
+"""Small collectives on msgpack payloads (never pickle), with errors that name the group.
+
+torch's ``all_gather_object`` pickles; checkpoint metadata crosses process boundaries and must
+not be unpickled (DESIGN: wire formats), so metadata travels as msgpack bytes in uint8
+tensors. On NCCL groups the byte tensors live on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointingException, CollectiveTimeoutError
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def global_rank(group: Optional[dist.ProcessGroup], rank_in_group: int) -> int:
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank_in_group
+    return dist.get_global_rank(group, rank_in_group)
+
+
+def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device collectives on ``group`` need their tensors on."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wrap(err: BaseException, what: str, group) -> CheckpointingException:
+    text = str(err)
+    cls = CollectiveTimeoutError if "timed out" in text.lower() or "timeout" in text.lower() else (
+        CheckpointingException
+    )
+    return cls(
+        f"collective '{what}' failed on a group of {group_size(group)} ranks: {text.strip()[:500]}"
+        " — a peer rank probably died or is stuck; the job needs a restart"
+    )
+
+
+def all_gather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) -> List[bytes]:
+    """Every rank's ``payload`` in group-rank order (two collectives: sizes, then bytes)."""
+    n = group_size(group)
+    if n == 1:
+        return [bytes(payload)]
+    dev = comm_device(group)
+    try:
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+        sizes = [torch.empty_like(size) for _ in range(n)]
+        dist.all_gather(sizes, size, group=group)
+        sizes_l = [int(s.item()) for s in sizes]
+        cap = max(sizes_l)
+        buf = torch.zeros(cap, dtype=torch.uint8)
+        if payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buf = buf.to(dev)
+        outs = [torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(n)]
+        dist.all_gather(outs, buf, group=group)
+    except RuntimeError as e:
+        raise _wrap(e, "all_gather_bytes", group) from e
+    return [o[:s].cpu().numpy().tobytes() for o, s in zip(outs, sizes_l)]
+
+
+def all_gather_msgpack(obj: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+    """all_gather of plain msgpack-able values (ints, strings, lists, dicts, bytes)."""
+    raw = all_gather_bytes(msgpack.packb(obj, use_bin_type=True), group)
+    return [msgpack.unpackb(r, raw=False, strict_map_key=False, use_list=True) for r in raw]
+
+
+def broadcast_msgpack(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """``obj`` from group rank ``src`` on every rank."""
+    return all_gather_msgpack(obj if group_rank(group) == src else None, group)[src]
+
+
+def all_reduce_int(value: int, op: str, group: Optional[dist.ProcessGroup] = None) -> int:
+    """MIN / MAX / SUM of one int64 across the group: the cheap agreement primitive."""
+    if group_size(group) == 1:
+        return int(value)
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+    t = torch.tensor([int(value)], dtype=torch.int64, device=comm_device(group))
+    try:
+        dist.all_reduce(t, op=ops[op], group=group)
+    except RuntimeError as e:
+        raise _wrap(e, f"all_reduce({op})", group) from e
+    return int(t.item())
+
+
+def all_agree(ok: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True iff every rank passed ``ok=True``; all ranks learn the same answer."""
+    return all_reduce_int(1 if ok else 0, "min", group) == 1

@@ -1,0 +1,257 @@
+"""Fully parallel save distribution: which rank of the group saves each shard id.
+
+Every shard id held by any rank of the parallelization group is saved by exactly one rank
+that holds it (replicas deduplicated), with bytes balanced across ranks. The assignment is a
+pure, deterministic function of the gathered metadata, so all ranks compute the same answer
+from one all-gather, and the result is cached for later saves of the same structure.
+
+Algorithm: Megatron-core's greedy order (shards with no main replica in the group last, then
+fewest holders first, then largest first, then id), assigning each shard to its least-loaded
+holder, followed by an improvement pass that moves shards off the most loaded rank while that
+strictly lowers it. Starting from the same greedy result and never raising the maximum, it is
+never less balanced than Megatron's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from . import collectives
+from .errors import ValidationError
+from .mapping import ShardedTensor, ShardId
+from .validation import shard_record
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardDistribution:
+    """The cached result of one metadata exchange (``cached_metadata`` for later saves)."""
+
+    group_size: int
+    #: saving rank (in the parallelization group) per shard id
+    main_rank_for_shard: Mapping[ShardId, int]
+    #: bytes each rank saves
+    rank_bytes: Tuple[int, ...]
+    #: per-rank digest of the local structure the distribution was computed for
+    fingerprints: Tuple[str, ...] = field(default=())
+
+    def saving_rank(self, shard_id: ShardId) -> int:
+        return self.main_rank_for_shard[shard_id]
+
+    @property
+    def imbalance(self) -> float:
+        """max/mean bytes per rank (1.0 is perfect)."""
+        total = sum(self.rank_bytes)
+        if not total:
+            return 1.0
+        return max(self.rank_bytes) / (total / len(self.rank_bytes))
+
+
+def structure_fingerprint(shards: Sequence[ShardedTensor]) -> str:
+    """Digest of shard ids, shapes and dtypes: equal iff a cached distribution still applies."""
+    h = hashlib.blake2b(digest_size=16)
+    for sh in shards:
+        h.update(repr((sh.key, sh.global_offset, sh.local_shape, str(sh.dtype))).encode())
+    return h.hexdigest()
+
+
+def assign_shards(
+    shard_to_ranks: Mapping[ShardId, Sequence[int]],
+    shard_to_size: Mapping[ShardId, int],
+    num_ranks: int,
+    improve: bool = True,
+    cross_group: AbstractSet[ShardId] = frozenset(),
+) -> Dict[ShardId, int]:
+    """Balanced assignment of each shard to one of the ranks holding it (pure function).
+
+    ``cross_group``: shards whose main replica lives outside the group; Megatron assigns them
+    last (so save and load distributions stay alike) and so do we, to start from its result.
+    """
+    order = sorted(
+        shard_to_ranks,
+        key=lambda sid: (sid in cross_group, len(shard_to_ranks[sid]), -shard_to_size[sid], sid),
+    )
+    load = [0] * num_ranks
+    assignment: Dict[ShardId, int] = {}
+    everyone = tuple(range(num_ranks))
+    # Shards every rank holds (data-parallel replicas) are the common case: a lazy min-heap
+    # over all ranks makes them O(log W) instead of O(W).
+    heap = [(0, r) for r in everyone]
+    for sid in order:
+        holders = shard_to_ranks[sid]
+        size = shard_to_size[sid]
+        if len(holders) == num_ranks:
+            while True:
+                l, r = heap[0]
+                if l == load[r]:
+                    break
+                heapq.heapreplace(heap, (load[r], r))
+            rank = r
+        else:
+            rank = min(holders, key=lambda r: (load[r], r))
+        assignment[sid] = rank
+        load[rank] += size
+        if len(holders) == num_ranks:
+            heapq.heapreplace(heap, (load[rank], rank))
+        else:
+            heapq.heappush(heap, (load[rank], rank))
+    if improve and num_ranks > 1:
+        _improve(assignment, shard_to_ranks, shard_to_size, load)
+    return assignment
+
+
+def _improve(assignment, shard_to_ranks, shard_to_size, load, max_moves: int = 100_000) -> None:
+    """Move shards off the most loaded rank while that strictly lowers it below the old max."""
+    by_rank: Dict[int, List[ShardId]] = {r: [] for r in range(len(load))}
+    for sid, r in assignment.items():
+        if len(shard_to_ranks[sid]) > 1:
+            by_rank[r].append(sid)
+    for r in by_rank:
+        by_rank[r].sort(key=lambda s: (-shard_to_size[s], s))
+    moves = 0
+    while moves < max_moves:
+        top = max(range(len(load)), key=lambda r: (load[r], -r))
+        best = None
+        for sid in by_rank[top]:
+            size = shard_to_size[sid]
+            if size == 0:
+                continue
+            dst = min((r for r in shard_to_ranks[sid] if r != top), key=lambda r: (load[r], r))
+            if load[dst] + size < load[top]:
+                # Prefer the move that leaves the two ranks closest to each other.
+                gap = abs((load[top] - size) - (load[dst] + size))
+                if best is None or gap < best[0]:
+                    best = (gap, sid, dst)
+        if best is None:
+            return
+        _, sid, dst = best
+        size = shard_to_size[sid]
+        by_rank[top].remove(sid)
+        by_rank[dst].append(sid)
+        by_rank[dst].sort(key=lambda s: (-shard_to_size[s], s))
+        assignment[sid] = dst
+        load[top] -= size
+        load[dst] += size
+        moves += 1
+
+
+def megatron_greedy(
+    shard_to_ranks, shard_to_size, num_ranks, cross_group: AbstractSet[ShardId] = frozenset()
+) -> Dict[ShardId, int]:
+    """Megatron-core's greedy assignment, for comparisons (tests, docs)."""
+    return assign_shards(shard_to_ranks, shard_to_size, num_ranks, False, cross_group)
+
+
+def rank_loads(assignment: Mapping[ShardId, int], shard_to_size, num_ranks) -> Tuple[int, ...]:
+    load = [0] * num_ranks
+    for sid, r in assignment.items():
+        load[r] += shard_to_size[sid]
+    return tuple(load)
+
+
+def compute_distribution(
+    local_shards: Sequence[ShardedTensor],
+    group: Optional[dist.ProcessGroup] = None,
+    gathered: Optional[List[list]] = None,
+) -> ShardDistribution:
+    """Collective (one all-gather of compact metadata) unless ``gathered`` is given.
+
+    ``gathered[r]`` is rank r's list of shard records (see :func:`validation.shard_record`),
+    letting callers that validate integrity reuse the same exchange.
+    """
+    if gathered is None:
+        gathered = gather_shard_records(local_shards, group)
+    fingerprints = tuple(rec_fp for rec_fp in gathered_fingerprints(gathered))
+    n = len(gathered)
+    shard_to_ranks: Dict[ShardId, List[int]] = {}
+    shard_to_size: Dict[ShardId, int] = {}
+    has_main = set()
+    for rank, recs in enumerate(gathered):
+        for rec in recs["shards"]:
+            key, off, extent, _gshape, dtype, main, _mm = rec
+            sid = (key, tuple(off))
+            holders = shard_to_ranks.get(sid)
+            if holders is None:
+                shard_to_ranks[sid] = [rank]
+                shard_to_size[sid] = _numel(extent) * _itemsize(dtype)
+            elif holders[-1] != rank:
+                holders.append(rank)
+            if main:
+                has_main.add(sid)
+    cross_group = shard_to_ranks.keys() - has_main
+    assignment = assign_shards(shard_to_ranks, shard_to_size, n, cross_group=cross_group)
+    dist_ = ShardDistribution(
+        group_size=n,
+        main_rank_for_shard=assignment,
+        rank_bytes=rank_loads(assignment, shard_to_size, n),
+        fingerprints=fingerprints,
+    )
+    logger.debug("distribution: bytes per rank %s (max/mean %.4f)", dist_.rank_bytes, dist_.imbalance)
+    return dist_
+
+
+def gather_shard_records(local_shards: Sequence[ShardedTensor], group) -> List[dict]:
+    payload = {
+        "shards": [list(shard_record(sh)) for sh in local_shards],
+        "fp": structure_fingerprint(local_shards),
+    }
+    return collectives.all_gather_msgpack(payload, group)
+
+
+def gathered_fingerprints(gathered: Iterable[dict]) -> Iterable[str]:
+    for g in gathered:
+        yield g["fp"]
+
+
+def check_cached(
+    distribution: ShardDistribution,
+    local_shards: Sequence[ShardedTensor],
+    rank: int,
+    group_size: Optional[int] = None,
+) -> None:
+    """A cached distribution applies only to the structure (and group) it was computed for."""
+    if not isinstance(distribution, ShardDistribution):
+        raise ValidationError(
+            f"cached_metadata must be the ShardDistribution returned by from_state_dict, got "
+            f"{type(distribution).__name__}"
+        )
+    if group_size is not None and distribution.group_size != group_size:
+        raise ValidationError(
+            f"cached_metadata was computed for a parallelization group of "
+            f"{distribution.group_size} ranks, this one has {group_size}; pass the same "
+            "parallelization_group, or cached_metadata=None to recompute it"
+        )
+    if distribution.fingerprints and distribution.fingerprints[rank] != structure_fingerprint(local_shards):
+        raise ValidationError(
+            "cached_metadata was computed for a different sharded state dict structure (keys, "
+            "offsets, shapes or dtypes changed); pass cached_metadata=None to recompute it"
+        )
+
+
+_ITEMSIZE: Dict[str, int] = {}
+
+
+def _itemsize(dtype_name: str) -> int:
+    size = _ITEMSIZE.get(dtype_name)
+    if size is None:
+        import torch
+
+        dt = getattr(torch, dtype_name, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValidationError(f"unknown dtype {dtype_name!r} in shard metadata")
+        size = _ITEMSIZE[dtype_name] = dt.itemsize
+    return size
+
+
+def _numel(extent) -> int:
+    n = 1
+    for e in extent:
+        n *= e
+    return n

@@ -1,0 +1,638 @@
+"""``MCoreTensorAwareStateDict``: the checkpoint unit handed to managers and stores.
+
+Same public API and defaults as Megatron-core's class of that name (so Megatron-LM and
+nvidia-resiliency-ext's ``LocalCheckpointManager`` accept it), with these differences:
+
+- device bookkeeping is explicit state (``_devices``), not attributes patched onto tensors;
+- the hollow form is small and serializes with msgpack (:meth:`to_bytes`), no pickle;
+- ``to_state_dict`` plans the load exchange from what ranks actually hold, moves only needed
+  shards, drops unexpected keys when ``strict`` says so (Megatron asserts or hangs), and fails
+  on every rank together instead of leaving peers blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+
+from . import collectives
+from .distribution import (
+    ShardDistribution,
+    check_cached,
+    compute_distribution,
+    structure_fingerprint,
+)
+from .errors import HollowStateError, ValidationError
+from .exchange import check_algo, dtype_name, execute_exchange, plan_exchange
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    adapt,
+    apply_factories_and_adapt,
+    apply_factory_merges,
+    is_factory,
+    is_sharded,
+)
+from .nested import HOLE, map_leaves, map_leaves_inplace, merge, nested_values, split
+from .validation import (
+    StrictHandling,
+    apply_strictness,
+    object_record,
+    parse_strict_flag,
+    shard_record,
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+ALGOS = ("atomic", "fully_parallel")
+
+
+def _check_algo(algo: str) -> bool:
+    if algo not in ALGOS:
+        raise ValidationError(f"unknown algo {algo!r}; use 'atomic' or 'fully_parallel'")
+    return algo == "fully_parallel"
+
+
+def _default_group(group):
+    if group is None and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+def _preprocess(sharded_state_dict: Any) -> Tuple[Any, Any, Any, Any]:
+    """Copy the structure (never the tensors), build factories, adapt Megatron objects.
+
+    Returns (sharded_part, common_part, nonpersistent_part, factories).
+    """
+    x, _ = split(sharded_state_dict, lambda v: True)  # structural copy
+    factories, _ = split(x, is_factory)
+    factories = map_leaves(lambda f: f, factories)
+    apply_factories_and_adapt(x)
+    # Shallow copies: dropping data (fully parallel) or popping tensors must not reach into the
+    # caller's ShardedTensors, which a trainer may pass again to the next save.
+    map_leaves_inplace(lambda v: copy.copy(v) if is_sharded(v) else v, x)
+    nonpersistent, x = split(x, lambda v: isinstance(v, LocalNonpersistentObject))
+    map_leaves_inplace(lambda o: o.unwrap(), nonpersistent)
+    sharded, common = split(x, is_sharded)
+    return sharded, common, nonpersistent, factories
+
+
+def _check_not_meta(shards: Sequence[ShardedTensor]) -> None:
+    for sh in shards:
+        if sh.data is not None and sh.data.is_meta:
+            raise ValidationError(
+                f"ShardedTensor {sh.key!r} at offset {sh.global_offset} has meta data (no "
+                "values); materialize the tensor before saving"
+            )
+
+
+def _drop_unsaved(shards: Sequence[ShardedTensor], distribution: ShardDistribution, me: int) -> None:
+    for sh in shards:
+        if distribution.main_rank_for_shard[sh.shard_id] != me:
+            sh.data = None
+
+
+def _my_global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _gather(payload: dict, group, world_scope: bool) -> Tuple[List[dict], List[dict]]:
+    """One all-gather of ``payload``: ``(scope, members)``.
+
+    ``members`` are the payloads of ``group`` in group-rank order. With ``world_scope`` and a
+    proper subgroup the gather runs over the whole world (``scope``) and ``members`` is picked
+    out of it, so validation sees every rank at the price of no extra collective.
+    """
+    if not dist.is_initialized():
+        return [payload], [payload]
+    n = collectives.group_size(group)
+    if world_scope and n != dist.get_world_size():
+        everyone = collectives.all_gather_msgpack(payload, None)
+        members = [everyone[collectives.global_rank(group, i)] for i in range(n)]
+        return everyone, members
+    if n == 1:
+        return [payload], [payload]
+    gathered = collectives.all_gather_msgpack(payload, group)
+    return gathered, gathered
+
+
+def _raise_first_error(gathered: Sequence[dict], local_exc: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank reported an error (its own exception where it has one)."""
+    errors = [(g["rank"], g["error"]) for g in gathered if g["error"]]
+    if not errors:
+        return
+    if local_exc is not None:
+        raise local_exc
+    r, msg = errors[0]
+    more = f" (and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""
+    raise ValidationError(f"rank {r}{more} failed, so every rank stops: {msg}")
+
+
+def _sharded_tensors(tree: Any) -> List[ShardedTensor]:
+    return [v for v in nested_values(tree) if isinstance(v, ShardedTensor)]
+
+
+def _sharded_objects(tree: Any) -> List[ShardedObject]:
+    return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
+
+
+@dataclass
+class MCoreTensorAwareStateDict(TensorAwareStateDict):
+    """Common state + sharded state, with this rank's saved tensors tracked explicitly."""
+
+    common: Dict[str, Any]
+    sharded_state_dict: Dict[str, Any]
+    _is_hollow: bool = False
+    #: for each ShardedTensor of ``sharded_state_dict`` (nested order): does this rank save it
+    _saved: Tuple[bool, ...] = field(default=None)  # type: ignore[assignment]
+    #: per saved tensor: the device type to restore it to, when its data lives elsewhere (or is
+    #: popped). The type, not the index: a restarted process, or a peer holding the replica,
+    #: restores onto its own current device (as Megatron-core and nvidia-resiliency-ext do).
+    _devices: List[Optional[str]] = field(default=None)  # type: ignore[assignment]
+    #: per saved tensor: data is already a private copy (copy_tensors_to_cpu need not clone)
+    _private: List[bool] = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        sts = _sharded_tensors(self.sharded_state_dict)
+        if self._saved is None:
+            self._saved = tuple(st.data is not None for st in sts)
+        elif len(self._saved) != len(sts):
+            raise ValidationError(
+                f"saved mask has {len(self._saved)} entries for {len(sts)} sharded tensors"
+            )
+        n = sum(self._saved)
+        if self._devices is None:
+            self._devices = [None] * n
+        if self._private is None:
+            self._private = [False] * n
+        if len(self._devices) != n or len(self._private) != n:
+            raise ValidationError(
+                f"device bookkeeping has {len(self._devices)} entries for {n} saved tensors"
+            )
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        sharded_state_dict: Dict[str, Any],
+        algo: str = "fully_parallel",
+        parallelization_group: Optional[dist.ProcessGroup] = None,
+        cached_metadata: Optional[ShardDistribution] = None,
+    ) -> Tuple["MCoreTensorAwareStateDict", Optional[ShardDistribution]]:
+        """Split common/sharded state; with ``fully_parallel`` keep only the shards this rank
+        saves (balanced across ``parallelization_group``). Collective unless
+        ``cached_metadata`` (the distribution returned by an earlier call) is given."""
+        fully_parallel = _check_algo(algo)
+        group = _default_group(parallelization_group)
+        n = collectives.group_size(group)
+        distribution = None
+        if cached_metadata is not None:
+            # No collective on this path (that is the point of caching), so errors stay local.
+            sharded, common, _nonpersistent, _factories = _preprocess(sharded_state_dict)
+            shards = _sharded_tensors(sharded)
+            _check_not_meta(shards)
+            if fully_parallel and n > 1:
+                me = collectives.group_rank(group)
+                check_cached(cached_metadata, shards, me, n)
+                distribution = cached_metadata
+                _drop_unsaved(shards, distribution, me)
+            return cls(common=common, sharded_state_dict=sharded), distribution
+
+        # One all-gather carries everything (integrity records, object records, structure
+        # fingerprint) and any local error, so a bad state dict on one rank fails every rank
+        # instead of leaving the others blocked in a collective.
+        local_exc: Optional[BaseException] = None
+        payload = {"rank": _my_global_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
+        try:
+            sharded, common, _nonpersistent, _factories = _preprocess(sharded_state_dict)
+            shards = _sharded_tensors(sharded)
+            _check_not_meta(shards)
+            payload["shards"] = [list(shard_record(sh)) for sh in shards]
+            payload["objects"] = [list(object_record(o)) for o in _sharded_objects(sharded)]
+            payload["fp"] = structure_fingerprint(shards)
+        except Exception as e:  # reported to every rank below
+            local_exc = e
+            payload["error"] = f"{type(e).__name__}: {e}"
+        # Integrity is a property of the whole job (Megatron checks it over the world): a
+        # data-parallel subgroup only sees part of each tensor-parallel tensor.
+        everyone, members = _gather(payload, group, world_scope=True)
+        _raise_first_error(everyone, local_exc)
+        validate_sharding_integrity(
+            [g["shards"] for g in everyone], [g["objects"] for g in everyone]
+        )
+        if fully_parallel and n > 1:
+            distribution = compute_distribution(shards, group, members)
+            _drop_unsaved(shards, distribution, collectives.group_rank(group))
+        return cls(common=common, sharded_state_dict=sharded), distribution
+
+    # ---- tensor access -----------------------------------------------------------------
+
+    @property
+    def is_hollow(self) -> bool:
+        return self._is_hollow
+
+    def _saved_sharded_tensors(self) -> List[ShardedTensor]:
+        sts = _sharded_tensors(self.sharded_state_dict)
+        return [st for st, s in zip(sts, self._saved) if s]
+
+    @property
+    def tensors(self) -> Iterable[torch.Tensor]:
+        if self._is_hollow:
+            raise HollowStateError("state dict is hollow: its tensors were popped; insert_tensors() first")
+        return [st.data for st in self._saved_sharded_tensors()]
+
+    @property
+    def common_state_dict(self) -> Dict[str, Any]:
+        return self.common
+
+    @property
+    def tensor_metadata(self) -> List[ShardedTensor]:
+        """The saved shards' metadata, in the order of :attr:`tensors`."""
+        return self._saved_sharded_tensors()
+
+    def pop_tensors(self) -> List[torch.Tensor]:
+        if self._is_hollow:
+            raise HollowStateError("pop_tensors() on a hollow state dict: tensors were already popped")
+        out = []
+        for i, st in enumerate(self._saved_sharded_tensors()):
+            out.append(st.data)
+            if self._devices[i] is None:
+                self._devices[i] = st.data.device.type
+            st.data = None
+        self._is_hollow = True
+        return out
+
+    def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
+        if not self._is_hollow:
+            raise HollowStateError("insert_tensors() needs a hollow state dict; call pop_tensors() first")
+        tensors = list(tensor_data)
+        targets = self._saved_sharded_tensors()
+        if len(tensors) != len(targets):
+            raise ValidationError(
+                f"insert_tensors() got {len(tensors)} tensors for {len(targets)} saved shards"
+            )
+        for st, t in zip(targets, tensors):
+            if not isinstance(t, torch.Tensor):
+                raise ValidationError(f"insert_tensors(): {st.key!r} got a {type(t).__name__}, not a tensor")
+            if t.dtype != st.dtype or tuple(t.shape) != st.local_shape:
+                raise ValidationError(
+                    f"insert_tensors(): {st.key!r} at offset {st.global_offset} expects "
+                    f"{st.dtype} {st.local_shape}, got {t.dtype} {tuple(t.shape)}"
+                )
+        for i, (st, t) in enumerate(zip(targets, tensors)):
+            st.data = t
+            if self._devices[i] == t.device.type:
+                self._devices[i] = None
+            # The caller may still use these tensors: copy_tensors_to_cpu must copy them.
+            self._private[i] = False
+        self._is_hollow = False
+
+    def init_tensors(self) -> None:
+        if not self._is_hollow:
+            raise HollowStateError("init_tensors() needs a hollow state dict")
+        for i, st in enumerate(self._saved_sharded_tensors()):
+            st.init_data(self._devices[i] or "cpu")
+            self._devices[i] = None
+            self._private[i] = True
+        self._is_hollow = False
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        if self._is_hollow:
+            raise HollowStateError("copy_tensors_to_cpu() on a hollow state dict")
+        for i, st in enumerate(self._saved_sharded_tensors()):
+            t = st.data
+            if t.device.type == "cpu":
+                if not self._private[i]:
+                    st.data = t.clone()
+            else:
+                if self._devices[i] is None:
+                    self._devices[i] = t.device.type
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=non_blocking and torch.cuda.is_available())
+                st.data = dst.copy_(t.detach(), non_blocking=non_blocking)
+            self._private[i] = True
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        if self._is_hollow:
+            raise HollowStateError("restore_tensor_device() on a hollow state dict")
+        for i, st in enumerate(self._saved_sharded_tensors()):
+            dev = self._devices[i]
+            if dev is not None:
+                if st.data.device.type != dev:
+                    st.data = st.data.to(dev, non_blocking=non_blocking)
+                self._devices[i] = None
+
+    # ---- serialization of the hollow form ------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """msgpack encoding of a hollow instance (metadata + common state; no tensor bytes)."""
+        if not self._is_hollow and any(self._saved):
+            raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
+        from . import codec
+
+        return codec.encode(
+            {
+                "common": self.common,
+                "sharded": self.sharded_state_dict,
+                "saved": list(self._saved),
+                "devices": list(self._devices),
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "MCoreTensorAwareStateDict":
+        from . import codec
+
+        d = codec.decode(data)
+        try:
+            inst = cls(
+                common=d["common"],
+                sharded_state_dict=d["sharded"],
+                _is_hollow=True,
+                _saved=tuple(bool(s) for s in d["saved"]),
+                _devices=list(d["devices"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValidationError(f"hollow state dict bytes lack field {e}") from e
+        return inst
+
+    # ---- load ------------------------------------------------------------------------------
+
+    def to_state_dict(
+        self,
+        sharded_state_dict: Dict[str, Any],
+        algo: str = "atomic",
+        exchange_algo: str = "broadcast",
+        validate_access_integrity: bool = True,
+        parallelization_group: Optional[dist.ProcessGroup] = None,
+        strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+        return_mismatch_keys: bool = False,
+    ):
+        """Fill ``sharded_state_dict`` (the template) with this checkpoint's data.
+
+        With ``fully_parallel``, shards this rank did not save come from the ranks of
+        ``parallelization_group`` that did. Collective over that group whenever it has more than
+        one rank; every error is raised on all ranks together.
+        """
+        group = _default_group(parallelization_group)
+        n = collectives.group_size(group)
+        me = collectives.group_rank(group)
+        result = map_leaves(lambda v: v, self.common)
+
+        # Local preparation. Errors are not raised here but travel with the one metadata
+        # all-gather, so every rank raises together instead of leaving peers in a collective.
+        local_exc: Optional[BaseException] = None
+        local = {"rank": _my_global_rank(), "error": None, "held": [], "need": [],
+                 "need_obj": [], "held_obj": [], "ckpt_keys": [], "requested": [],
+                 "records": [], "obj_records": []}
+        try:
+            if self._is_hollow:
+                raise HollowStateError(
+                    "to_state_dict() on a hollow state dict; insert_tensors() first"
+                )
+            fully_parallel = _check_algo(algo)
+            exchange_algo = check_algo(exchange_algo)
+            strict = parse_strict_flag(strict)
+            sharded, _common, nonpersistent, factories = _preprocess(sharded_state_dict or {})
+            template_shards = _sharded_tensors(sharded)
+            template_objects = _sharded_objects(sharded)
+            held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
+            held_objects = {o.object_id: o for o in _sharded_objects(self.sharded_state_dict)}
+            ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)} | {
+                o.key for o in held_objects.values()
+            }
+            local.update(
+                held=[[sid[0], list(sid[1]), dtype_name(t.dtype), list(t.shape)]
+                      for sid, t in held.items()],
+                need=[[st.key, list(st.global_offset), dtype_name(st.dtype),
+                       list(st.local_shape), st.allow_shape_mismatch]
+                      for st in template_shards if st.shard_id not in held],
+                need_obj=[[o.key, list(o.global_offset), list(o.global_shape)]
+                          for o in template_objects if o.object_id not in held_objects],
+                held_obj=[[o.key, list(o.global_offset), list(o.global_shape)]
+                          for o in held_objects.values()],
+                ckpt_keys=sorted(ckpt_keys),
+                requested=sorted({st.key for st in template_shards}
+                                 | {o.key for o in template_objects}),
+            )
+            if validate_access_integrity:
+                local["records"] = [list(shard_record(st)) for st in template_shards]
+                local["obj_records"] = [list(object_record(o)) for o in template_objects]
+            self._check_local_shapes(template_shards, held)
+        except Exception as e:  # reported to every rank below
+            local_exc = e
+            local["error"] = f"{type(e).__name__}: {e}"
+        # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
+        # sees only part of each tensor-parallel tensor.
+        scope, members = _gather(local, group, world_scope=validate_access_integrity)
+        _raise_first_error(scope, local_exc)
+        if not any(g["requested"] for g in members):
+            # Nothing requested anywhere (Megatron returns the common state for an empty
+            # template): no exchange, no strictness verdict.
+            merge(result, nonpersistent)
+            result = _fill_holes(result)
+            return (result, set(), set()) if return_mismatch_keys else result
+        if validate_access_integrity:
+            validate_sharding_integrity(
+                [g["records"] for g in scope], [g["obj_records"] for g in scope]
+            )
+        global_ckpt_keys = set().union(*(g["ckpt_keys"] for g in members))
+        if not fully_parallel:
+            # Atomic: a rank's checkpoint must hold every shard it asks for.
+            for r, g in enumerate(members):
+                absent = [x for x in g["need"] if x[0] in global_ckpt_keys]
+                if absent:
+                    raise ValidationError(
+                        f"rank {g['rank']}: shard {absent[0][0]!r} at offset {tuple(absent[0][1])} "
+                        "is not in this rank's checkpoint; load with algo='fully_parallel' to "
+                        "fetch it from the rank that saved it"
+                    )
+        plan, absent_shards = plan_exchange(members)
+        # Shards of keys the checkpoint has, but at offsets nobody saved: a sharding mismatch,
+        # never silently skipped.
+        for r, sids in sorted(absent_shards.items()):
+            bad = [s for s in sids if s[0] in global_ckpt_keys]
+            if bad:
+                raise ValidationError(
+                    f"rank {members[r]['rank']}: shard {bad[0][0]!r} at offset {bad[0][1]} is in "
+                    "no rank's checkpoint (parallel layout changed between save and load?); the "
+                    "layout at load must match the one at save"
+                )
+        # Shards that will arrive from another rank must be what the template asks for.
+        for g in members:
+            for key, off, dtype, shape, mismatch_ok in g["need"]:
+                spec = plan.specs.get((key, tuple(off)))
+                if spec is None:
+                    continue
+                if spec[0] != dtype or (tuple(spec[1]) != tuple(shape) and not mismatch_ok):
+                    raise ValidationError(
+                        f"rank {g['rank']}: {key!r} at offset {tuple(off)}: checkpoint has "
+                        f"{spec[0]} {tuple(spec[1])}, the state dict asks for {dtype} "
+                        f"{tuple(shape)} (set allow_shape_mismatch=True to accept the stored shape)"
+                    )
+        # Strictness is decided from gathered data, so every rank reaches the same verdict.
+        # Megatron's definitions: unexpected = requested but absent from the checkpoint (per
+        # rank); missing = in the checkpoint but requested by no rank (same on every rank).
+        unexpected_by_rank = [set(g["requested"]) - global_ckpt_keys for g in members]
+        mine_unexpected = unexpected_by_rank[me]
+        missing = global_ckpt_keys - set().union(*(g["requested"] for g in members))
+        check_missing = strict in (
+            StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL
+        )
+        if not check_missing:
+            missing = set()
+        # Raise decisions use every rank's unexpected keys; logging reports this rank's own.
+        apply_strictness(strict, missing, set().union(*unexpected_by_rank), _SilentLog)
+        apply_strictness(strict, missing, mine_unexpected, logger)
+        # Objects the rank lacks come from a rank that holds them (small; msgpack codec).
+        obj_data = self._exchange_objects(members, held_objects, group, n, me, global_ckpt_keys)
+
+        def allocate(sid, dtype, shape):
+            return torch.empty(shape, dtype=dtype, device=self._load_device())
+
+        received = (
+            execute_exchange(plan, held, allocate, group, exchange_algo) if n > 1 else {}
+        )
+        loaded = dict(held)
+        loaded.update(received)
+        merge(result, nonpersistent)
+
+        def fill(v):
+            if isinstance(v, ShardedTensor):
+                if v.key in mine_unexpected:
+                    return _DROP
+                return loaded[v.shard_id]
+            if isinstance(v, ShardedObject):
+                if v.key in mine_unexpected:
+                    return _DROP
+                o = held_objects.get(v.object_id)
+                return o.data if o is not None else obj_data[v.object_id]
+            return v
+
+        map_leaves_inplace(fill, sharded)
+        sharded = _drop_marked(sharded)
+        sharded = apply_factory_merges(sharded, factories)
+        merge(result, sharded)
+        result = _fill_holes(result)
+        if strict == StrictHandling.IGNORE_ALL:
+            missing, mine_unexpected = set(), set()
+        elif strict == StrictHandling.ASSUME_OK_UNEXPECTED:
+            missing = set()
+        if return_mismatch_keys:
+            return result, missing, mine_unexpected
+        return result
+
+    def _load_device(self) -> torch.device:
+        for st in self._saved_sharded_tensors():
+            return st.data.device
+        return torch.device("cpu")
+
+    @staticmethod
+    def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict) -> None:
+        for st in template_shards:
+            t = held.get(st.shard_id)
+            if t is None:
+                continue
+            if t.dtype != st.dtype:
+                raise ValidationError(
+                    f"{st.key!r} at offset {st.global_offset}: checkpoint has dtype {t.dtype}, the "
+                    f"state dict asks for {st.dtype}"
+                )
+            if tuple(t.shape) != st.local_shape and not st.allow_shape_mismatch:
+                raise ValidationError(
+                    f"{st.key!r} at offset {st.global_offset}: checkpoint has shape "
+                    f"{tuple(t.shape)}, the state dict asks for {st.local_shape} (set "
+                    "allow_shape_mismatch=True to accept the stored shape)"
+                )
+
+    def _exchange_objects(self, members, held_objects, group, n, me, ckpt_keys) -> Dict:
+        # Objects of keys no checkpoint has are unexpected keys: strictness handled them.
+        wanted = set()
+        for g in members:
+            for key, off, shape in g["need_obj"]:
+                if key in ckpt_keys:
+                    wanted.add((key, tuple(off), tuple(shape)))
+        if not wanted:
+            return {}
+        holders: Dict[Tuple, int] = {}
+        for r, g in enumerate(members):
+            for key, off, shape in g["held_obj"]:
+                holders.setdefault((key, tuple(off), tuple(shape)), r)
+        nobody = sorted(w for w in wanted if w not in holders)
+        if nobody:
+            raise ValidationError(
+                f"ShardedObject {nobody[0][0]!r} at offset {nobody[0][1]} with global shape "
+                f"{nobody[0][2]} is in no rank's checkpoint; the layout at load must match the "
+                "one at save"
+            )
+        from . import codec
+
+        mine = {oid: held_objects[oid].data for oid, r in holders.items() if r == me and oid in wanted}
+        # An unencodable object must not leave the other ranks waiting: the error travels in
+        # the gathered bytes (first byte 1) and every rank raises.
+        local_exc = None
+        try:
+            payload = b"\x00" + codec.encode(
+                [[[oid[0], list(oid[1]), list(oid[2])], v] for oid, v in mine.items()]
+            )
+        except Exception as e:
+            local_exc = e
+            payload = b"\x01" + f"{type(e).__name__}: {e}".encode("utf-8", "replace")
+        blobs = collectives.all_gather_bytes(payload, group) if n > 1 else [payload]
+        failed = [(r, b[1:].decode("utf-8", "replace")) for r, b in enumerate(blobs) if b[:1] == b"\x01"]
+        if failed:
+            if local_exc is not None:
+                raise local_exc
+            r, msg = failed[0]
+            raise ValidationError(
+                f"rank {members[r]['rank']} could not send its ShardedObjects, so every rank "
+                f"stops: {msg}"
+            )
+        out = {}
+        for blob in blobs:
+            for (key, off, shape), v in codec.decode(memoryview(blob)[1:]):
+                out[(key, tuple(off), tuple(shape))] = v
+        return out
+
+
+class _SilentLog:
+    @staticmethod
+    def warning(*_a, **_k):
+        pass
+
+
+class _Drop:
+    def __repr__(self):
+        return "DROP"
+
+
+_DROP = _Drop()
+
+
+def _fill_holes(x):
+    """List positions nobody filled (a checkpoint entry the template did not ask for) become
+    None: the HOLE marker is internal and never reaches the caller."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if isinstance(v, (dict, list)):
+                x[k] = _fill_holes(v)
+        return x
+    if isinstance(x, list):
+        return [None if v is HOLE else _fill_holes(v) for v in x]
+    return x
+
+
+def _drop_marked(x):
+    if isinstance(x, dict):
+        return {k: _drop_marked(v) for k, v in x.items() if v is not _DROP}
+    if isinstance(x, list):
+        return [None if v is _DROP else _drop_marked(v) for v in x]
+    return x

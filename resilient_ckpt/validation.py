@@ -1,0 +1,273 @@
+"""Sharding integrity and strict-key handling.
+
+Integrity: for every key, the main replicas of its shards tile the global shape exactly (no
+overlap, no gap), each shard id has exactly one main replica, and every rank agrees on dtype and
+global shape. Strictness: Megatron-core's ``StrictHandling`` flags, except that unexpected keys are
+really dropped (or raised on every rank together), never left to assert or hang.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from enum import Enum
+from typing import Dict, Iterable, List, Sequence, Set, Tuple, Union
+
+from .errors import ValidationError
+
+# A compact, msgpack-able description of one local shard, gathered from every rank:
+# (key, global_offset, local_extent_per_global_axis, global_shape, dtype_name, is_main,
+#  allow_shape_mismatch)
+ShardRecord = Tuple[str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...], str, bool, bool]
+ObjectRecord = Tuple[str, Tuple[int, ...], Tuple[int, ...], bool]
+
+_MAX_REPORTED = 20
+
+
+class StrictHandling(Enum):
+    """How to treat keys that differ between the requested state dict and the checkpoint.
+
+    Megatron-core vocabulary: *unexpected* keys are requested but absent from the checkpoint;
+    *missing* keys are in the checkpoint but not requested.
+    """
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: "StrictHandling") -> bool:
+        return val in (
+            StrictHandling.IGNORE_ALL,
+            StrictHandling.RAISE_ALL,
+            StrictHandling.RETURN_ALL,
+            StrictHandling.LOG_ALL,
+        )
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+def parse_strict_flag(strict: Union[str, StrictHandling, object]) -> StrictHandling:
+    if isinstance(strict, StrictHandling):
+        return strict
+    # Megatron-core's own enum members are accepted by value.
+    value = getattr(strict, "value", strict)
+    try:
+        return StrictHandling(value)
+    except ValueError:
+        valid = ", ".join(m.value for m in StrictHandling)
+        raise ValidationError(f"invalid strict flag {strict!r}; use one of: {valid}") from None
+
+
+def shard_record(sh) -> ShardRecord:
+    extent = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    return (
+        sh.key,
+        tuple(sh.global_offset),
+        extent,
+        tuple(sh.global_shape),
+        str(sh.dtype).replace("torch.", ""),
+        sh.is_main_replica(),
+        bool(sh.allow_shape_mismatch),
+    )
+
+
+def object_record(obj) -> ObjectRecord:
+    return (obj.key, tuple(obj.global_offset), tuple(obj.global_shape), obj.is_main_replica())
+
+
+def validate_sharding_integrity(
+    global_shards: Sequence[Iterable[ShardRecord]],
+    global_objects: Sequence[Iterable[ObjectRecord]] = (),
+) -> None:
+    """Raise :class:`ValidationError` listing every inconsistent key (first 20).
+
+    ``global_shards[r]`` are rank r's shard records (see :func:`shard_record`).
+    """
+    problems: List[str] = []
+    by_key: Dict[str, List[Tuple[int, ShardRecord]]] = defaultdict(list)
+    for rank, recs in enumerate(global_shards):
+        for rec in recs:
+            by_key[rec[0]].append((rank, _tuplify(rec)))
+    for key in sorted(by_key):
+        problems.extend(_check_tensor_key(key, by_key[key]))
+        if len(problems) >= _MAX_REPORTED:
+            break
+    obj_by_key: Dict[str, List[Tuple[int, ObjectRecord]]] = defaultdict(list)
+    for rank, recs in enumerate(global_objects):
+        for rec in recs:
+            obj_by_key[rec[0]].append((rank, _tuplify(rec)))
+    for key in sorted(obj_by_key):
+        problems.extend(_check_object_key(key, obj_by_key[key]))
+    if problems:
+        shown = problems[:_MAX_REPORTED]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise ValidationError(
+            "sharded state dict is inconsistent across ranks:\n  "
+            + "\n  ".join(shown)
+            + more
+            + "\nfix: every key's main replicas (replica_id 0) must tile its global shape once; "
+            "check the rank offsets / replica ids your model's sharded_state_dict() produces"
+        )
+
+
+def _tuplify(rec):
+    # msgpack turns tuples into lists; compare as tuples.
+    return tuple(tuple(x) if isinstance(x, list) else x for x in rec)
+
+
+def _check_tensor_key(key: str, entries: List[Tuple[int, ShardRecord]]) -> List[str]:
+    out: List[str] = []
+    dtypes = {rec[4] for _, rec in entries}
+    if len(dtypes) > 1:
+        out.append(f"{key!r}: ranks disagree on dtype: {sorted(dtypes)}")
+    shapes = {rec[3] for _, rec in entries}
+    mismatch_ok = any(rec[6] for _, rec in entries)
+    if len(shapes) > 1 and not mismatch_ok:
+        out.append(f"{key!r}: ranks disagree on global shape: {sorted(shapes)}")
+        return out
+    global_shape = max(shapes)
+    mains: Dict[Tuple[int, ...], List[int]] = defaultdict(list)
+    extents: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
+    all_ids: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
+    for rank, rec in entries:
+        off, ext = rec[1], rec[2]
+        prev = all_ids.setdefault(off, ext)
+        if prev != ext:
+            out.append(f"{key!r}: shard at offset {off} has extent {ext} on rank {rank} but {prev} elsewhere")
+        if rec[5]:
+            mains[off].append(rank)
+            extents[off] = ext
+    for off in all_ids:
+        if off not in mains:
+            out.append(f"{key!r}: shard at offset {off} has no main replica (replica_id 0) on any rank")
+    for off, ranks in mains.items():
+        if len(ranks) > 1:
+            out.append(f"{key!r}: shard at offset {off} has {len(ranks)} main replicas (ranks {sorted(ranks)[:8]})")
+    if mismatch_ok:
+        return out
+    outside = [
+        off for off, ext in extents.items()
+        if len(off) != len(global_shape)
+        or any(o < 0 or o + e > s for o, e, s in zip(off, ext, global_shape))
+    ]
+    if outside:
+        # Checked here too: ShardedTensors are mutable and ranks' metadata arrives as plain data.
+        out.append(
+            f"{key!r}: shard at offset {outside[0]} with extent {extents[outside[0]]} lies outside "
+            f"global shape {global_shape}"
+        )
+        return out
+    boxes = [(off, tuple(o + e for o, e in zip(off, extents[off]))) for off in mains]
+    overlap = _find_overlap(boxes)
+    if overlap is not None:
+        a, b = overlap
+        out.append(f"{key!r}: shards {_fmt_box(a)} and {_fmt_box(b)} overlap")
+    covered = sum(math.prod(e) for e in extents.values())
+    total = math.prod(global_shape)
+    if overlap is None and covered != total:
+        out.append(
+            f"{key!r}: main replicas cover {covered} of {total} elements of global shape "
+            f"{global_shape} (gap)"
+        )
+    return out
+
+
+def _fmt_box(box) -> str:
+    start, stop = box
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(start, stop)) + ")"
+
+
+def _find_overlap(boxes):
+    """An overlapping pair among axis-aligned ``(start, stop)`` boxes, or None.
+
+    Sweep along the axis with the most distinct starts (a tensor sharded only along axis 1
+    would make an axis-0 sweep quadratic in its shard count).
+    """
+    if not boxes:
+        return None
+    ndim = len(boxes[0][0])
+    ax = max(range(ndim), key=lambda a: len({b[0][a] for b in boxes})) if ndim else 0
+    perm = ([ax] if ndim else []) + [a for a in range(ndim) if a != ax]
+    order = sorted(range(len(boxes)), key=lambda i: [boxes[i][0][a] for a in perm])
+    active: List = []
+    for i in order:
+        box = boxes[i]
+        start, stop = box
+        active = [b for b in active if b[1][ax] > start[ax]] if ndim else active
+        for other in active:
+            if all(max(s1, s2) < min(e1, e2) for s1, e1, s2, e2 in zip(other[0], other[1], start, stop)):
+                # Empty boxes never overlap anything.
+                return other, box
+        if all(e > s for s, e in zip(start, stop)):
+            active.append(box)
+    return None
+
+
+def _check_object_key(key: str, entries: List[Tuple[int, ObjectRecord]]) -> List[str]:
+    out: List[str] = []
+    mains: Dict[Tuple[int, ...], List[int]] = defaultdict(list)
+    shapes = {rec[2] for _, rec in entries}
+    if len(shapes) > 1:
+        out.append(f"{key!r} (object): ranks disagree on global shape: {sorted(shapes)}")
+        return out
+    for rank, rec in entries:
+        if rec[3]:
+            mains[rec[1]].append(rank)
+    for off, ranks in mains.items():
+        if len(ranks) > 1:
+            out.append(f"{key!r} (object): offset {off} has {len(ranks)} main replicas (ranks {sorted(ranks)[:8]})")
+    (shape,) = shapes
+    outside = [off for off in mains if len(off) != len(shape) or any(
+        o < 0 or (s >= 0 and o >= s) for o, s in zip(off, shape))]
+    if outside:
+        out.append(f"{key!r} (object): offset {outside[0]} lies outside the grid {shape}")
+        return out
+    if all(s >= 0 for s in shape) and len(mains) != math.prod(shape):
+        out.append(
+            f"{key!r} (object): {len(mains)} main replicas for a grid of {math.prod(shape)} objects"
+        )
+    return out
+
+
+def determine_mismatch(
+    requested: Set[str], in_checkpoint: Set[str]
+) -> Tuple[Set[str], Set[str]]:
+    """(missing, unexpected): missing = in checkpoint but not requested; unexpected = requested
+    but absent from the checkpoint (Megatron-core's definitions)."""
+    return in_checkpoint - requested, requested - in_checkpoint
+
+
+def apply_strictness(
+    strict: StrictHandling, missing: Set[str], unexpected: Set[str], log
+) -> None:
+    """Log or raise per ``strict``. Must be called with the same sets on every rank."""
+    def names(keys: Set[str]) -> str:
+        ks = sorted(keys)
+        return ", ".join(ks[:_MAX_REPORTED]) + (f" (+{len(ks) - _MAX_REPORTED} more)" if len(ks) > _MAX_REPORTED else "")
+
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL, StrictHandling.ASSUME_OK_UNEXPECTED) and unexpected:
+        raise ValidationError(
+            f"keys requested but not in the checkpoint: {names(unexpected)}; fix: remove them from "
+            "the state dict you load into, or pass strict='log_unexpected' to skip them"
+        )
+    if strict == StrictHandling.RAISE_ALL and missing:
+        raise ValidationError(
+            f"checkpoint keys not requested by the state dict: {names(missing)}; fix: add them, or "
+            "pass strict='log_all' to ignore them"
+        )
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and unexpected:
+        log.warning("skipping keys absent from the checkpoint: %s", names(unexpected))
+    if strict == StrictHandling.LOG_ALL and missing:
+        log.warning("checkpoint keys not requested (left out of the result): %s", names(missing))
