@@ -1,0 +1,292 @@
+"""The load path: find the newest complete iteration, plan retrieval, move and verify bytes.
+
+Collective over the checkpoint group. Every decision (latest iteration, which holder serves
+whom, which copies failed verification) is made from all-gathered facts, so all ranks reach
+the same verdict and fail together — never some ranks loading while others raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import checksum, collectives
+from .errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError, StoreError
+from .hostmem import alloc_host
+from .replication.placement import Fetch, plan_retrieval
+from .replication.transport import Incoming, Outgoing, P2PTransport
+from .store import CheckpointHeader, CheckpointId, CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 4
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What every rank's node store holds, as all-gathered facts."""
+
+    #: per rank: store identity (ranks with equal identity share one node store)
+    store_keys: Tuple[str, ...]
+    #: per rank: {(iteration, owner): data_nbytes}
+    ids: Tuple[Mapping[Tuple[int, int], int], ...]
+    #: per rank: human-readable notes about checkpoints that cannot be used here
+    foreign: Tuple[Tuple[str, ...], ...]
+
+    def node_of(self, rank: int) -> int:
+        return self._node_index[self.store_keys[rank]]
+
+    @property
+    def _node_index(self) -> Dict[str, int]:
+        idx: Dict[str, int] = {}
+        for k in self.store_keys:
+            idx.setdefault(k, len(idx))
+        return idx
+
+    def complete_iterations(self, world_size: int) -> List[int]:
+        """Iterations for which every owner rank's data is held somewhere, newest first."""
+        owners: Dict[int, Set[int]] = {}
+        for per_rank in self.ids:
+            for it, owner in per_rank:
+                owners.setdefault(it, set()).add(owner)
+        full = set(range(world_size))
+        return sorted((it for it, o in owners.items() if o >= full), reverse=True)
+
+    def available(self, iteration: int) -> Dict[int, List[int]]:
+        out: Dict[int, List[int]] = {}
+        for rank, per_rank in enumerate(self.ids):
+            for it, owner in per_rank:
+                if it == iteration:
+                    out.setdefault(owner, []).append(rank)
+        return out
+
+    def nbytes(self, iteration: int) -> Dict[int, int]:
+        out: Dict[int, int] = {}
+        for per_rank in self.ids:
+            for (it, owner), n in per_rank.items():
+                if it == iteration:
+                    out[owner] = n
+        return out
+
+
+def store_identity(store: CheckpointStore) -> str:
+    st = os.stat(store.dir)
+    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+
+
+def gather_holdings(store: CheckpointStore, group, world_size: int) -> Holdings:
+    """One all-gather of every rank's view of its node store (headers parsed, not data)."""
+    ids: Dict[Tuple[int, int], int] = {}
+    foreign: List[str] = []
+    for cid in store.list():
+        try:
+            h = store.read_header(cid)
+        except ForeignCheckpointError as e:
+            foreign.append(str(e))
+            continue
+        except (CorruptCheckpointError, StoreError) as e:
+            logger.warning("ignoring unreadable checkpoint %s: %s", cid.stem(), e)
+            continue
+        if h.owner >= world_size:
+            foreign.append(f"{cid.stem()}: owner rank {h.owner} outside world size {world_size}")
+            continue
+        ids[(cid.iteration, cid.owner)] = h.data_nbytes
+    local = {
+        "store": store_identity(store),
+        "ids": [[it, o, n] for (it, o), n in sorted(ids.items())],
+        "foreign": foreign[:5],
+    }
+    gathered = collectives.all_gather_msgpack(local, group) if dist.is_initialized() else [local]
+    return Holdings(
+        store_keys=tuple(g["store"] for g in gathered),
+        ids=tuple({(int(it), int(o)): int(n) for it, o, n in g["ids"]} for g in gathered),
+        foreign=tuple(tuple(g["foreign"]) for g in gathered),
+    )
+
+
+@dataclass
+class Retrieved:
+    """This rank's checkpoint bytes, verified, and where they came from."""
+
+    header: CheckpointHeader
+    tensors: List[torch.Tensor]
+    source_rank: int
+    source: str  # "local" | "node" | "peer"
+    seconds: float
+    bytes_read: int
+    attempts: int
+    failed_copies: List[Tuple[int, int]] = field(default_factory=list)
+
+
+def retrieve(
+    store: CheckpointStore,
+    holdings: Holdings,
+    iteration: int,
+    group,
+    transport: Optional[P2PTransport],
+    me: int,
+    world_size: int,
+) -> Retrieved:
+    """Bring this rank's checkpoint of ``iteration`` into private memory, verified.
+
+    Local-first, then the least-loaded remote holder; copies failing their checksum are
+    excluded and the plan is redone on every rank together.
+    """
+    t0 = time.perf_counter()
+    available = holdings.available(iteration)
+    sizes = holdings.nbytes(iteration)
+    exclude: Set[Tuple[int, int]] = set()
+    done: Optional[Retrieved] = None
+    failed_log: List[Tuple[int, int]] = []
+    pending = set(range(world_size))
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        wanted = {r: r for r in sorted(pending)}
+        plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
+        result, failures = _execute(store, holdings, iteration, plan, transport, me)
+        if result is not None and done is None:
+            result.attempts = attempt
+            done = result
+        local_fail = [list(f) for f in failures]
+        gathered = (
+            collectives.all_gather_msgpack(local_fail, group) if dist.is_initialized() else [local_fail]
+        )
+        all_failed = {(int(s), int(o)) for per in gathered for s, o in per}
+        if not all_failed:
+            break
+        failed_log.extend(sorted(all_failed))
+        exclude |= all_failed
+        # Receivers whose copy failed go again; everyone else is done.
+        pending = {f.receiver for f in plan if (f.source, f.owner) in all_failed}
+        if me in pending:
+            done = None
+        logger.warning(
+            "checkpoint copies failed verification (source rank, owner): %s; retrying from other holders",
+            sorted(all_failed),
+        )
+    else:
+        raise CorruptCheckpointError(
+            f"iteration {iteration}: no intact copy after {MAX_ATTEMPTS} attempts; failed copies "
+            f"(source rank, owner): {sorted(set(failed_log))}"
+        )
+    assert done is not None
+    done.failed_copies = failed_log
+    done.seconds = time.perf_counter() - t0
+    return done
+
+
+def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me):
+    """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw)."""
+    mine: Optional[Fetch] = None
+    outgoing: List[Outgoing] = []
+    incoming: List[Incoming] = []
+    failures: List[Tuple[int, int]] = []
+    maps = []
+    remote: Dict[str, object] = {}
+
+    def _alloc(header: bytes, nbytes: int) -> torch.Tensor:
+        remote["header"] = header
+        remote["arena"] = alloc_host(nbytes)
+        return remote["arena"]  # type: ignore[return-value]
+
+    for f in plan:
+        same_node = holdings.node_of(f.source) == holdings.node_of(f.receiver)
+        if f.receiver == me:
+            mine = f
+            if not same_node:
+                incoming.append(Incoming(f.source, _alloc))
+        elif f.source == me and not same_node:
+            cid = CheckpointId(iteration, f.owner, store.session)
+            try:
+                reader = store.open(cid)
+                m, buf = _map_readonly(reader)
+                maps.append(m)
+                outgoing.append(Outgoing(f.receiver, store.header_path(cid).read_bytes(), buf))
+            except (StoreError, OSError) as e:
+                # Still take part in the exchange (an empty header marks the failure), so the
+                # receiver learns it at once instead of timing out.
+                logger.warning("cannot serve %s to rank %d: %s", cid.stem(), f.receiver, e)
+                failures.append((me, f.owner))
+                outgoing.append(Outgoing(f.receiver, b"", torch.empty(0, dtype=torch.uint8)))
+    if outgoing or incoming:
+        if transport is None:
+            raise CheckpointingException("a remote checkpoint copy is needed but no transport is set up")
+        transport.exchange(outgoing, incoming)
+    del outgoing
+    for m in maps:
+        try:
+            m.close()
+        except BufferError:
+            pass  # a view is still referenced; the mapping goes with it
+    if mine is None:
+        return None, failures
+    cid = CheckpointId(iteration, mine.owner, store.session)
+    try:
+        if holdings.node_of(mine.source) == holdings.node_of(me):
+            header, arena, nread = _read_local(store, cid)
+            source = "local" if mine.source == me else "node"
+        else:
+            raw = remote.get("header", b"")
+            if not raw:
+                raise CorruptCheckpointError(f"rank {mine.source} could not serve {cid.stem()}")
+            header = CheckpointHeader.unpack(raw, source=f"header of {cid.stem()} from rank {mine.source}")
+            if header.id != cid or header.world_size != len(holdings.store_keys):
+                raise CorruptCheckpointError(f"rank {mine.source} sent {header.id} for {cid}")
+            arena = remote["arena"]
+            nread = header.data_nbytes
+            source = "peer"
+        bad = _verify(header, arena)
+        if bad:
+            raise CorruptCheckpointError(
+                f"{cid.stem()} from rank {mine.source}: tensors {bad[:8]} fail their "
+                f"{header.checksum_algo} checksum"
+            )
+    except (CorruptCheckpointError, StoreError, OSError) as e:
+        logger.warning("copy of %s from rank %d unusable: %s", cid.stem(), mine.source, e)
+        failures.append((mine.source, mine.owner))
+        return None, failures
+    tensors = [
+        arena[l.offset : l.offset + l.nbytes].view(l.torch_dtype).view(l.shape) for l in header.tensors
+    ]
+    return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1), failures
+
+
+def _map_readonly(reader):
+    with warnings.catch_warnings():
+        # torch warns that the mapping is read-only; we only ever read (send) from it.
+        warnings.simplefilter("ignore", UserWarning)
+        if reader.header.data_nbytes == 0:
+            return _NullMap(), torch.empty(0, dtype=torch.uint8)
+        return reader.map()
+
+
+class _NullMap:
+    def close(self):
+        pass
+
+
+def _read_local(store: CheckpointStore, cid: CheckpointId):
+    reader = store.open(cid)
+    n = reader.header.data_nbytes
+    arena = alloc_host(n)
+    if n:
+        reader.read_range(0, checksum.byte_view(arena))
+    return reader.header, arena, n
+
+
+def _verify(header: CheckpointHeader, arena: torch.Tensor) -> List[int]:
+    if not header.data_nbytes:
+        return []
+    mv = checksum.byte_view(arena)
+    return [
+        i
+        for i, l in enumerate(header.tensors)
+        if l.checksum is not None and checksum.digest(mv[l.offset : l.offset + l.nbytes]) != l.checksum
+    ]
