@@ -15,13 +15,40 @@ from .mapping import (  # noqa: E402
     ShardedTensor,
     is_main_replica,
 )
+from .validation import StrictHandling  # noqa: E402
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "MCoreTensorAwareStateDict": ".tensor_aware_state_dict",
+    "CheckpointManager": ".manager",
+    "SaveHandle": ".manager",
+    "CheckpointHook": ".hooks",
+    "TrainState": ".torch_state",
+}
+
+
+def __getattr__(name):
+    # Heavy modules (torch.distributed, nvidia-resiliency-ext) load on first use only, so
+    # `import resilient_ckpt` stays cheap for the CLI and for forked workers.
+    if name in _LAZY:
+        import importlib
+
+        mod = importlib.import_module(_LAZY[name], __name__)
+        return getattr(mod, name)
+    raise AttributeError(f"module 'resilient_ckpt' has no attribute {name!r}")
+
+
 __all__ = [
+    "CheckpointHook",
+    "CheckpointManager",
     "CheckpointingException",
     "LocalNonpersistentObject",
+    "MCoreTensorAwareStateDict",
+    "SaveHandle",
     "ShardedObject",
     "ShardedTensor",
+    "StrictHandling",
+    "TrainState",
     "is_main_replica",
 ]
