@@ -50,3 +50,7 @@ class ReplicationError(CheckpointingException):
 
 class CollectiveTimeoutError(CheckpointingException, TimeoutError):
     """A collective among checkpoint ranks did not finish in time."""
+
+
+class NoReplicaError(ReplicationError):
+    """No live holder can serve some rank's checkpoint (all replicas lost or corrupt)."""

@@ -1,0 +1,455 @@
+"""Moving checkpoint bytes between trainer ranks over torch.distributed (embedded mode).
+
+A checkpoint travels as a small header (msgpack bytes, opaque here) and one contiguous uint8
+payload — on CPU usually a store segment mapped onto /dev/shm. For each transfer the wire
+protocol is, in this order on the (sender, receiver) pair:
+
+1. sizes: one int64 tensor ``[header_len, payload_len, chunk_bytes]`` (the sender's chunking,
+   so ranks configured with different ``chunk_bytes`` still agree on message boundaries);
+2. the header bytes (omitted when empty); the receiver then calls ``allocate(header, n)``;
+3. the payload in chunks of ``chunk_bytes``.
+
+Every rank posts all of its sends and receives of one step together (``batch_isend_irecv``),
+so simultaneous A→B / B→A transfers and rings cannot deadlock on ordering. Payload chunks go
+in rounds — round ``i`` carries chunk ``i`` of every transfer — which keeps both ends' ops
+matched per pair and bounds device bounce memory to one chunk per transfer.
+
+Zero copies on CPU with gloo: chunks are sent straight from slices of the payload tensor and
+received straight into slices of the tensor ``allocate`` returned. When a tensor is not on the
+group's communication device (a CPU segment with NCCL, a CUDA tensor with gloo) its chunks go
+through a reusable bounce buffer on that device (pinned on the host side where CUDA exists).
+
+A dead or stuck peer surfaces as :class:`ReplicationError` naming the peer and what was in
+flight, after the connection error or the timeout — never a hang. After such an error the
+group's state is undefined: create a new one with :func:`new_checkpoint_group`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointingException, ReplicationError
+
+__all__ = [
+    "Incoming",
+    "Outgoing",
+    "P2PTransport",
+    "PeerStats",
+    "TransferStats",
+    "new_checkpoint_group",
+]
+
+_DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """Send ``header`` and ``payload`` (1-D uint8, CPU or CUDA) to rank ``dst``."""
+
+    dst: int
+    header: bytes
+    payload: torch.Tensor = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """Receive one transfer from rank ``src``; ``allocate(header, nbytes)`` returns the 1-D
+    uint8 tensor (usually a store segment) the payload is written into."""
+
+    src: int
+    allocate: Callable[[bytes, int], torch.Tensor] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one :meth:`P2PTransport.exchange` moved (headers + payloads) and how long it took."""
+
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    per_peer: Mapping[int, PeerStats]
+
+    @property
+    def gib_per_s(self) -> float:
+        """Bytes sent plus received per second, in GiB/s."""
+        total = self.bytes_sent + self.bytes_received
+        return total / (1 << 30) / self.seconds if self.seconds > 0 else 0.0
+
+
+def new_checkpoint_group(
+    backend: Optional[str] = None, timeout_s: float = 120
+) -> dist.ProcessGroup:
+    """A process group of all ranks reserved for checkpoint traffic.
+
+    Its own communicator keeps replication from interleaving with (or waiting behind) training
+    collectives. ``backend`` defaults to NCCL when the default group uses NCCL and CUDA exists,
+    else gloo. Every rank must call this together, like ``dist.new_group``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ReplicationError(
+            "new_checkpoint_group needs an initialized default process group; call "
+            "torch.distributed.init_process_group first"
+        )
+    if not timeout_s or timeout_s <= 0:
+        raise ReplicationError(f"timeout_s must be positive seconds, got {timeout_s!r}")
+    if backend is None:
+        default = str(dist.get_backend()).lower()
+        backend = "nccl" if "nccl" in default and torch.cuda.is_available() else "gloo"
+    if "nccl" in backend.lower() and not torch.cuda.is_available():
+        raise ReplicationError(
+            f"backend {backend!r} needs CUDA, which is not available here; use backend='gloo'"
+        )
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    if _comm_device(group).type == "cuda":
+        # NCCL requires the first operation on a communicator to involve all its ranks; later
+        # point-to-point batches may then involve any subset.
+        dist.all_reduce(torch.zeros(1, device=_comm_device(group)), group=group)
+    return group
+
+
+def _comm_device(group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
+    try:
+        return group._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # private API; fall back to torch's default for process groups
+        return _DEFAULT_TIMEOUT_S
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} B"
+
+
+@dataclass
+class _Op:
+    """One posted send/recv and how to describe it when it fails."""
+
+    send: bool
+    peer: int
+    tensor: torch.Tensor
+    what: str
+
+
+@dataclass
+class _Transfer:
+    peer: int
+    send: bool
+    header: bytes = b""
+    header_len: int = 0
+    payload: Optional[torch.Tensor] = None  # outgoing payload or incoming destination
+    allocate: Optional[Callable[[bytes, int], torch.Tensor]] = None
+    nbytes: int = 0
+    chunk: int = 1
+    discard: bool = False  # incoming whose allocate failed: drain into scratch, keep in sync
+    index: int = 0  # position among this rank's sends / receives (bounce buffer slot)
+
+    def chunks(self) -> int:
+        return -(-self.nbytes // self.chunk)
+
+
+class P2PTransport:
+    """Point-to-point byte mover for checkpoint replication over a torch.distributed group.
+
+    ``group``: ideally from :func:`new_checkpoint_group` (default: the world group); peers are
+    named by global rank. ``chunk_bytes``: payload message size and bounce-buffer size.
+    ``timeout``: seconds one step (sizes, headers, one round of chunks) may take before the
+    peer counts as stuck; default: the group's own timeout.
+    """
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        chunk_bytes: int = 64 << 20,
+        timeout: Optional[float] = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ReplicationError(
+                "P2PTransport needs an initialized process group; call "
+                "torch.distributed.init_process_group (and new_checkpoint_group) first"
+            )
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ReplicationError(
+                f"chunk_bytes must be a positive integer, got {chunk_bytes!r}; the default, "
+                f"64 MiB, suits both gloo and NCCL"
+            )
+        if timeout is not None and not timeout > 0:
+            raise ReplicationError(f"timeout must be positive seconds or None, got {timeout!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.chunk_bytes = chunk_bytes
+        self.device = _comm_device(self.group)
+        self.timeout_s = (
+            float(timeout) if timeout is not None else _group_timeout_s(self.group, self.device)
+        )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(self.group)
+        self._peers = set(dist.get_process_group_ranks(self.group))
+        self._bounce: Dict[Tuple[str, int], torch.Tensor] = {}
+        # Stage even tensors already on the communication device. Off in real use; tests turn
+        # it on to exercise the bounce path (NCCL + host memory, gloo + CUDA) on CPU-only CI.
+        self._stage_all = False
+
+    # ---------------------------------------------------------------------------------------
+    def exchange(self, outgoing: Sequence[Outgoing], incoming: Sequence[Incoming]) -> TransferStats:
+        """Send every ``outgoing`` and receive every ``incoming`` concurrently.
+
+        Several transfers between the same two ranks are matched in list order. Returns byte
+        counts and wall time. Raises :class:`ReplicationError` naming the peer on a dead or
+        stuck peer; an exception from ``allocate`` is re-raised after the remaining transfers
+        completed (its payload is drained and dropped, so the group stays in sync).
+        """
+        start = time.perf_counter()
+        sends = [self._check_outgoing(i, o) for i, o in enumerate(outgoing)]
+        recvs = [self._check_incoming(i, inc) for i, inc in enumerate(incoming)]
+
+        # 1. sizes
+        size_out = [
+            torch.tensor([len(t.header), t.nbytes, t.chunk], dtype=torch.int64, device=self.device)
+            for t in sends
+        ]
+        size_in = [torch.empty(3, dtype=torch.int64, device=self.device) for _ in recvs]
+        self._run(
+            [_Op(True, t.peer, s, "transfer sizes") for t, s in zip(sends, size_out, strict=True)]
+            + [
+                _Op(False, t.peer, s, "transfer sizes") for t, s in zip(recvs, size_in, strict=True)
+            ],
+            "sizes",
+        )
+        for t, s in zip(recvs, size_in, strict=True):
+            t.header_len, t.nbytes, t.chunk = (int(v) for v in s.tolist())
+            if t.nbytes < 0 or t.header_len < 0 or t.chunk < 1:
+                raise ReplicationError(
+                    f"rank {t.peer} announced malformed sizes (header {t.header_len}, payload "
+                    f"{t.nbytes}, chunk {t.chunk}); it runs an incompatible resilient_ckpt"
+                )
+
+        # 2. headers
+        head_ops: List[_Op] = []
+        head_in: List[Tuple[_Transfer, torch.Tensor]] = []
+        for t in sends + recvs:
+            if not t.header_len:
+                continue
+            what = f"header ({t.header_len} B)"
+            if t.send:
+                buf = self._to_device(torch.frombuffer(bytearray(t.header), dtype=torch.uint8))
+            else:
+                buf = torch.empty(t.header_len, dtype=torch.uint8, device=self.device)
+                head_in.append((t, buf))
+            head_ops.append(_Op(t.send, t.peer, buf, what))
+        self._run(head_ops, "headers")
+        for t, buf in head_in:
+            t.header = buf.cpu().numpy().tobytes()
+        deferred: Optional[Exception] = None
+        for t in recvs:
+            allocate = cast(Callable[[bytes, int], torch.Tensor], t.allocate)
+            try:
+                t.payload = self._check_allocated(t, allocate(t.header, t.nbytes))
+            except Exception as e:  # drain its bytes and re-raise below: keeps peers in step
+                deferred = deferred or e
+                t.discard = True
+                t.payload = None
+
+        # 3. payload, round i = chunk i of every transfer
+        rounds = max([t.chunks() for t in sends + recvs], default=0)
+        for i in range(rounds):
+            ops: List[_Op] = []
+            unstage: List[Tuple[torch.Tensor, torch.Tensor]] = []
+            for t in sends + recvs:
+                if i >= t.chunks():
+                    continue
+                lo = i * t.chunk
+                n = min(t.chunk, t.nbytes - lo)
+                what = (
+                    f"payload chunk {i + 1}/{t.chunks()} (bytes {lo}..{lo + n} of {_mib(t.nbytes)})"
+                )
+                if t.discard:
+                    buf = self._bounce_buffer("drain", t.index, n, self.device)
+                    ops.append(_Op(False, t.peer, buf, what))
+                    continue
+                view = t.payload[lo : lo + n]  # type: ignore[index]
+                if view.device == self.device and not self._stage_all:
+                    ops.append(_Op(t.send, t.peer, view, what))
+                    continue
+                buf = self._bounce_buffer("send" if t.send else "recv", t.index, n, self.device)
+                if t.send:
+                    self._copy(buf, view)
+                else:
+                    unstage.append((view, buf))
+                ops.append(_Op(t.send, t.peer, buf, what))
+            self._run(ops, f"payload round {i + 1}/{rounds}")
+            for view, buf in unstage:
+                self._copy(view, buf)
+        if self.device.type == "cuda" or any(
+            t.payload is not None and t.payload.device.type == "cuda" for t in sends + recvs
+        ):
+            torch.cuda.synchronize()  # non-blocking device<->pinned copies must land before return
+
+        if deferred is not None:
+            if isinstance(deferred, CheckpointingException):
+                raise deferred
+            raise ReplicationError(
+                f"allocate() failed for an incoming checkpoint: {deferred!r}; its bytes were "
+                f"received and dropped"
+            ) from deferred
+
+        per_peer: Dict[int, PeerStats] = {}
+        for t in sends + recvs:
+            p = per_peer.get(t.peer, PeerStats())
+            n = len(t.header) + (0 if t.discard else t.nbytes)
+            per_peer[t.peer] = (
+                PeerStats(p.bytes_sent + n, p.bytes_received)
+                if t.send
+                else PeerStats(p.bytes_sent, p.bytes_received + n)
+            )
+        return TransferStats(
+            bytes_sent=sum(p.bytes_sent for p in per_peer.values()),
+            bytes_received=sum(p.bytes_received for p in per_peer.values()),
+            seconds=time.perf_counter() - start,
+            per_peer=MappingProxyType(per_peer),
+        )
+
+    # ---------------------------------------------------------------------------------------
+    def _check_peer(self, peer: object, role: str) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int) or peer not in self._peers:
+            raise ReplicationError(
+                f"{role} rank {peer!r} is not a member of the checkpoint group (ranks "
+                f"{sorted(self._peers)[:8]}{'…' if len(self._peers) > 8 else ''})"
+            )
+        if peer == self.rank:
+            raise ReplicationError(
+                f"rank {self.rank} cannot replicate to or from itself; drop that transfer "
+                f"(its own store already holds the data)"
+            )
+        return peer
+
+    def _check_outgoing(self, index: int, o: Outgoing) -> _Transfer:
+        dst = self._check_peer(o.dst, "destination")
+        p = o.payload
+        if (
+            not isinstance(p, torch.Tensor)
+            or p.dtype != torch.uint8
+            or p.dim() != 1
+            or not p.is_contiguous()
+        ):
+            raise ReplicationError(
+                f"payload for rank {dst} must be a contiguous 1-D uint8 tensor, got "
+                f"{_describe(p)}; pass the store segment (or tensor.view(-1).view(torch.uint8))"
+            )
+        if not isinstance(o.header, (bytes, bytearray, memoryview)):
+            raise ReplicationError(
+                f"header for rank {dst} must be bytes (msgpack), got {type(o.header).__name__}"
+            )
+        header = bytes(o.header)
+        return _Transfer(
+            dst, True, header, len(header), p, None, p.numel(), self.chunk_bytes, index=index
+        )
+
+    def _check_incoming(self, index: int, inc: Incoming) -> _Transfer:
+        src = self._check_peer(inc.src, "source")
+        if not callable(inc.allocate):
+            raise ReplicationError(f"Incoming from rank {src}: allocate must be callable")
+        return _Transfer(src, False, allocate=inc.allocate, index=index)
+
+    def _check_allocated(self, t: _Transfer, out: object) -> torch.Tensor:
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != torch.uint8
+            or out.dim() != 1
+            or out.numel() != t.nbytes
+            or not out.is_contiguous()
+        ):
+            raise ReplicationError(
+                f"allocate() for the transfer from rank {t.peer} must return a contiguous 1-D "
+                f"uint8 tensor of {t.nbytes} bytes, got {_describe(out)}"
+            )
+        return out
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device)
+
+    def _bounce_buffer(self, role: str, index: int, n: int, device: torch.device) -> torch.Tensor:
+        """A reused staging buffer per (role, slot) on the communication device."""
+        buf = self._bounce.get((role, index))
+        if buf is None or buf.numel() < n:
+            size = max(n, self.chunk_bytes)
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            buf = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin)
+            self._bounce[(role, index)] = buf
+        return buf[:n]
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # Into a CUDA buffer: async on the current stream (NCCL orders itself after it). Into a
+        # CPU buffer that gloo reads next: blocking, gloo does not wait for CUDA streams.
+        dst.copy_(src, non_blocking=dst.device.type == "cuda")
+
+    def _run(self, ops: List[_Op], step: str) -> None:
+        if not ops:
+            return
+        p2p = [
+            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, self.group)
+            for op in ops
+        ]
+        try:
+            works = dist.batch_isend_irecv(p2p)
+        except Exception as e:
+            raise self._failure(ops, None, step, e) from e
+        deadline = time.monotonic() + self.timeout_s
+        # One work per op (gloo) or one for the coalesced batch (NCCL).
+        for i, work in enumerate(works):
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                ok = work.wait(timedelta(seconds=left))
+            except Exception as e:
+                raise self._failure(ops, i if len(works) == len(ops) else None, step, e) from e
+            if ok is False:
+                raise self._failure(
+                    ops,
+                    i if len(works) == len(ops) else None,
+                    step,
+                    TimeoutError("wait() returned False"),
+                )
+
+    def _failure(
+        self, ops: List[_Op], index: Optional[int], step: str, cause: BaseException
+    ) -> ReplicationError:
+        if index is not None:
+            op = ops[index]
+            peers = f"rank {op.peer}"
+            verb, prep = ("sending", "to") if op.send else ("receiving", "from")
+            what = f"{verb} {op.what} {prep} rank {op.peer}"
+        else:
+            involved = sorted({op.peer for op in ops})
+            peers = "ranks " + ", ".join(map(str, involved))
+            what = f"{step} with {peers}"
+        return ReplicationError(
+            f"replication between rank {self.rank} and {peers} failed while {what} "
+            f"(step: {step}; timeout {self.timeout_s:g} s): {type(cause).__name__}: {cause}. The "
+            f"peer is dead, stuck or unreachable; this checkpoint group is no longer usable — "
+            f"create a new one with new_checkpoint_group() after the job's membership is settled"
+        )
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return (
+            f"tensor(dtype={x.dtype}, shape={tuple(x.shape)}, device={x.device}, "
+            f"contiguous={x.is_contiguous()})"
+        )
+    return type(x).__name__
