@@ -13,6 +13,12 @@ iteration loadable and surfaces in ``SaveHandle.wait()``.
 
 Saves are queued, not refused: at most one save waits behind the one in flight; a third call
 blocks until the oldest finished (bounded memory).
+
+Every ``save_local`` call puts exactly one job on the worker, also when preparing the snapshot
+failed on this rank (bad iteration, structure change, unencodable state, store full): then the
+job tells the peers at once, so they are not left waiting for this rank's replica or vote until a
+timeout. Jobs are therefore numbered alike on every rank, which keeps collective decisions (the
+cached distribution) in step.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ import torch.distributed as dist
 
 from . import checksum, collectives
 from .distribution import ShardDistribution
-from .errors import CheckpointingException, ReplicationError, StoreError, ValidationError
+from .errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    NoReplicaError,
+    ReplicationError,
+    StoreError,
+    ValidationError,
+)
 from .replication.placement import Placement, clique_placement, ring_placement
 from .replication.transport import Incoming, Outgoing, P2PTransport, new_checkpoint_group
 from .restore import Holdings, Retrieved, gather_holdings, retrieve
@@ -118,6 +132,7 @@ class _SaveJob:
     staging: StagingHandle
     metrics: SaveMetrics
     t_start: float
+    seq: int = 0
 
 
 class CheckpointManager:
@@ -182,6 +197,12 @@ class CheckpointManager:
         self._transport: Optional[P2PTransport] = None
         self._distribution: Optional[ShardDistribution] = None
         self._in_flight: Deque[Tuple[int, Future]] = deque()
+        #: jobs submitted so far (equal on every rank, see the module docstring)
+        self._seq = 0
+        #: sequence numbers of jobs whose agreement failed (written by the worker)
+        self._failed_seqs: set = set()
+        #: failures up to this sequence number were already acted on
+        self._dist_checked_upto = -1
         self._last_saved = -1
         self._complete: List[int] = []
         self._lock = threading.Lock()
@@ -209,32 +230,41 @@ class CheckpointManager:
         on every rank. Collective on the first call (distribution, checkpoint group).
         """
         t0 = time.perf_counter()
-        self._check_iteration(iteration)
         self._bound_queue()
         group = self._ckpt_group()
-        if isinstance(state_dict, MCoreTensorAwareStateDict):
-            tasd = state_dict
-        else:
-            tasd, dist_ = MCoreTensorAwareStateDict.from_state_dict(
-                state_dict,
-                algo="fully_parallel",
-                parallelization_group=self.parallelization_group,
-                cached_metadata=self._distribution,
-            )
-            self._distribution = dist_ or self._distribution
-        tensors = list(tasd.tensors)
-        layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
-        segment = self._prefetcher.take(total)
+        seq = self._seq
+        self._seq += 1
+        self._refresh_distribution(seq)
+        segment: Optional[Segment] = None
         try:
-            self.store.claim(segment, iteration, self.rank)
-            staging = self._stager.stage(tensors, segment, layouts)
+            if isinstance(state_dict, MCoreTensorAwareStateDict):
+                tasd = state_dict
+            else:
+                # First: when it is a collective (no cached distribution), every rank must reach
+                # it, also one whose own arguments are bad (it raises everywhere together).
+                tasd, dist_ = MCoreTensorAwareStateDict.from_state_dict(
+                    state_dict,
+                    algo="fully_parallel",
+                    parallelization_group=self.parallelization_group,
+                    cached_metadata=self._distribution,
+                )
+                self._distribution = dist_ or self._distribution
+            self._check_iteration(iteration)
+            tensors = list(tasd.tensors)
+            # The hollow form first: if the common state cannot be encoded, nothing was staged.
             popped = tasd.pop_tensors()
             try:
                 meta = tasd.to_bytes()
             finally:
                 tasd.insert_tensors(popped)
-        except BaseException:
-            self.store.release(segment)
+            layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
+            segment = self._prefetcher.take(total)
+            self.store.claim(segment, iteration, self.rank)
+            staging = self._stager.stage(tensors, segment, layouts)
+        except BaseException as e:
+            if segment is not None:
+                self.store.release(segment)
+            self._submit_failed(iteration, seq, group, e)
             raise
         header = CheckpointHeader(
             session=self.session_id,
@@ -251,7 +281,7 @@ class CheckpointManager:
             },
         )
         metrics = SaveMetrics(iteration=iteration, bytes_staged=total)
-        job = _SaveJob(iteration, segment, header, staging, metrics, t0)
+        job = _SaveJob(iteration, segment, header, staging, metrics, t0, seq)
         self._last_saved = iteration
         self.latest_iteration = -1  # invalidates find_latest's cache, like nvidia-resiliency-ext
         future = self._worker.submit(self._finish_save, job, group)
@@ -263,6 +293,60 @@ class CheckpointManager:
             handle.wait_staged()
             handle.wait()
         return handle
+
+    def _refresh_distribution(self, seq: int) -> None:
+        """Drop the cached distribution if a save up to ``seq - 2`` failed (a structure change
+        on some rank invalidates it everywhere).
+
+        Decided from jobs that are finished on every rank by now (``_bound_queue`` leaves at most
+        the previous job in flight), so all ranks drop it at the same save and the collective
+        that recomputes it pairs up. The previous job's outcome counts one save later.
+        """
+        horizon = seq - 2
+        if horizon <= self._dist_checked_upto:
+            return
+        with self._lock:
+            failed = any(self._dist_checked_upto < s <= horizon for s in self._failed_seqs)
+        self._dist_checked_upto = horizon
+        if failed:
+            self._distribution = None
+
+    def _submit_failed(self, iteration: int, seq: int, group, error: BaseException) -> None:
+        """Queue the stand-in of a save that failed on this rank before it started."""
+        logger.warning("save of iteration %s failed on rank %d: %s", iteration, self.rank, error)
+        future = self._worker.submit(self._fail_save, iteration, seq, group, error)
+        with self._lock:
+            self._in_flight.append((-1, future))
+
+    def _fail_save(self, iteration, seq: int, group, error: BaseException) -> None:
+        """Tell the peers at once: an empty replica to every holder, refuse incoming replicas,
+        vote no. Nothing is discarded here (this rank created nothing for the save)."""
+        if group is not None:
+            try:
+                self._replicate_nothing()
+            except Exception as e:  # expected: our refusals come back as an error
+                logger.debug("failed save of iteration %s: exchange: %s", iteration, e)
+            try:
+                collectives.all_agree(False, group)
+            except Exception as e:
+                logger.debug("failed save of iteration %s: agreement: %s", iteration, e)
+        with self._lock:
+            self._failed_seqs.add(seq)
+
+    def _replicate_nothing(self) -> None:
+        holders = self.placement.holders_of(self.rank)
+        sources = self.placement.sources_for(self.rank)
+        if (not holders and not sources) or self._transport is None:
+            return
+
+        def refuse(hdr: bytes, nbytes: int) -> torch.Tensor:
+            raise ReplicationError("this rank's own save failed; replica dropped")
+
+        empty = torch.empty(0, dtype=torch.uint8)
+        self._transport.exchange(
+            [Outgoing(dst, b"", empty) for dst in holders],
+            [Incoming(src, refuse) for src in sources],
+        )
 
     def _check_iteration(self, iteration: int) -> None:
         if isinstance(iteration, bool) or not isinstance(iteration, int):
@@ -296,6 +380,7 @@ class CheckpointManager:
         ok = False
         received: List[CheckpointId] = []
         error: Optional[BaseException] = None
+        replicating = False
         try:
             t = time.perf_counter()
             job.staging.wait()
@@ -310,6 +395,7 @@ class CheckpointManager:
             self._fault("after_publish")
             t = time.perf_counter()
             self._fault("before_replication")
+            replicating = True
             received = self._replicate(header, job.segment, m)
             m.replication_s = time.perf_counter() - t
             self._fault("after_replication")
@@ -319,26 +405,42 @@ class CheckpointManager:
             logger.warning("save of iteration %d failed on rank %d: %s", job.iteration, self.rank, e)
         finally:
             job.segment.close()
+        if not replicating and group is not None:
+            # Failed before the exchange: take part in it anyway (empty replicas, refusals),
+            # so holders and sources learn now instead of after the transport timeout.
+            try:
+                self._replicate_nothing()
+            except Exception as e:
+                logger.debug("failed save of iteration %d: exchange: %s", job.iteration, e)
         t = time.perf_counter()
         try:
             self._fault("before_agreement")
+        except BaseException as e:  # still vote (no), so peers are not left waiting
+            ok = False
+            error = error or e
+        try:
             agreed = collectives.all_agree(ok, group) if group is not None else ok
-        except CheckpointingException as e:
+        except Exception as e:
             agreed = False
             error = error or e
         m.agreement_s = time.perf_counter() - t
         m.durable_s = time.perf_counter() - job.t_start
         if not agreed:
             self._discard_failed(job.iteration, received)
-            # A structure change on some rank invalidates the cached distribution everywhere.
-            self._distribution = None
+            # A structure change on some rank invalidates the cached distribution everywhere
+            # (applied in step on every rank, see _refresh_distribution).
+            with self._lock:
+                self._failed_seqs.add(job.seq)
             raise CheckpointingException(
                 f"local checkpoint of iteration {job.iteration} is not complete on every rank "
                 f"(this rank: {'ok' if ok else repr(error)}); the previous complete iteration "
                 f"{self._complete[-1] if self._complete else 'none'} stays loadable"
             ) from error
         self._complete.append(job.iteration)
-        self._retire()
+        try:
+            self._retire()
+        except OSError as e:  # the save itself is complete; retiring is retried next time
+            logger.warning("could not retire old checkpoints in %s: %s", self.store.dir, e)
         self._prefetcher.prefetch(job.header.data_nbytes)
         self.last_save_metrics = m
         logger.debug("saved iteration %d: %s", job.iteration, m.as_dict())
@@ -358,41 +460,47 @@ class CheckpointManager:
 
         def allocate_for(src: int):
             def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
+                if not hdr:
+                    raise ReplicationError(
+                        f"rank {src} could not save iteration {header.iteration} (see that "
+                        "rank's error); its replica was not sent"
+                    )
                 h = CheckpointHeader.unpack(hdr, source=f"replica header from rank {src}")
                 if h.owner != src or h.session != self.session_id or h.iteration != header.iteration:
                     raise ReplicationError(
                         f"rank {src} sent {h.id} while replicating iteration {header.iteration}"
                     )
-                seg = self.store.reserve(nbytes)
-                self.store.claim(seg, h.iteration, h.owner)
+                seg = self.store.allocate(h.iteration, h.owner, nbytes)  # released if claim fails
                 claimed.append((seg, hdr, h.id))
                 return seg.buffer
 
             return allocate
 
         incoming = [Incoming(src, allocate_for(src)) for src in sources]
+        ids = []
         try:
             stats = self._transport.exchange(outgoing, incoming)
+            for seg, hdr, cid in claimed:
+                seg.close()
+                self.store.write_raw_header(hdr, cid)
+                ids.append(cid)
         except BaseException:
+            # Only what this save created: a replica header of the same id that existed before
+            # made allocate() fail, so it is not in ``claimed``.
             for seg, _, cid in claimed:
                 seg.close()
                 self.store.discard(cid)
             raise
-        ids = []
-        for seg, hdr, cid in claimed:
-            seg.close()
-            self.store.write_raw_header(hdr, cid)
-            ids.append(cid)
         m.bytes_replicated_out = stats.bytes_sent
         m.bytes_replicated_in = stats.bytes_received
         return ids
 
     def _discard_failed(self, iteration: int, received: List[CheckpointId]) -> None:
+        """Remove what this save created: its own checkpoint and the replicas it published
+        (not other ids of that iteration, which may predate this save)."""
         self.store.discard(CheckpointId(iteration, self.rank, self.session_id))
         for cid in received:
             self.store.discard(cid)
-        for src in self.placement.sources_for(self.rank):
-            self.store.discard(CheckpointId(iteration, src, self.session_id))
 
     def _retire(self) -> None:
         """Keep the newest ``keep_last`` complete iterations and anything newer (in flight)."""
@@ -456,9 +564,7 @@ class CheckpointManager:
         retrieved, iteration = self._retrieve_latest()
         if retrieved is None:
             return None
-        tasd = MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
-        tasd.insert_tensors(retrieved.tensors)
-        _restore_devices(tasd)
+        tasd = self._decode(retrieved, iteration)
         t1 = time.perf_counter()
         state = tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
@@ -484,17 +590,47 @@ class CheckpointManager:
         complete = holdings.complete_iterations(self.world_size)
         if not complete:
             self.latest_iteration = -1
+            others = self.store.other_sessions()
+            if others:
+                logger.warning(
+                    "no complete checkpoint of session %r in %s; the same root holds checkpoints "
+                    "of sessions %s (pass session_id=... to restore one of them)",
+                    self.session_id, self.store.root, others[:5],
+                )
             return None, -1
-        iteration = complete[0]
         # Everyone has drained its saves (the gather above is after each rank's drain), so
-        # headerless data files are leftovers of a crashed save.
-        self.store.sweep_orphans()
-        retrieved = retrieve(
-            self.store, holdings, iteration, group, self._transport, self.rank, self.world_size
-        )
+        # headerless data files are leftovers of a crashed save. The collectives of retrieve()
+        # order this (and _drop_abandoned) before any rank's next save.
+        try:
+            self.store.sweep_orphans()
+        except OSError as e:  # housekeeping: must not keep this rank from the collectives below
+            logger.warning("could not recycle leftovers in %s: %s", self.store.dir, e)
+        last_error: Optional[BaseException] = None
+        for iteration in complete:
+            self._drop_abandoned(newer_than=iteration)
+            try:
+                retrieved = retrieve(
+                    self.store, holdings, iteration, group, self._transport, self.rank,
+                    self.world_size,
+                )
+                break
+            except (CorruptCheckpointError, NoReplicaError) as e:
+                # Decided from gathered facts, so every rank falls back together.
+                logger.warning(
+                    "iteration %d cannot be restored (%s); falling back to the previous complete "
+                    "iteration", iteration, e,
+                )
+                last_error = e
+        else:
+            raise CheckpointingException(
+                f"no complete iteration could be restored (tried {complete}); last error: "
+                f"{last_error}"
+            ) from last_error
         self.latest_iteration = iteration
-        self._last_saved = max(self._last_saved, iteration)
-        self._complete = sorted(set(self._complete) | set(complete[: self.keep_last]))
+        # The restored iteration defines the timeline (also for an in-process restart): newer
+        # ones were abandoned above, so the trainer may save those iteration numbers again.
+        self._last_saved = iteration
+        self._complete = sorted(it for it in complete if it <= iteration)[-self.keep_last :]
         self.last_load_metrics = LoadMetrics(
             iteration=iteration,
             source=retrieved.source,
@@ -528,10 +664,62 @@ class CheckpointManager:
             raise CheckpointingException(
                 "no complete local checkpoint to load; call find_latest() first and check for -1"
             )
-        tasd = MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
-        tasd.insert_tensors(retrieved.tensors)
-        _restore_devices(tasd)
+        tasd = self._decode(retrieved, iteration)
         return tasd, (iteration, self.rank, self.session_id)
+
+    def _drop_abandoned(self, newer_than: int) -> None:
+        """Discard this node's checkpoints newer than the iteration being restored: saves that
+        never completed (a crash mid-save) or that cannot be restored. The restarted job saves
+        those iterations again and must not find them taken. Other jobs' files (foreign) are
+        left alone."""
+        try:
+            cids = self.store.list()
+        except OSError as e:
+            logger.warning("could not list %s: %s", self.store.dir, e)
+            return
+        for cid in cids:
+            if cid.iteration <= newer_than:
+                continue
+            try:
+                self.store.read_header(cid)
+            except ForeignCheckpointError:
+                continue
+            except (StoreError, OSError):
+                pass  # unreadable: garbage either way
+            logger.info(
+                "discarding %s in %s: newer than the restored iteration %d (not restorable)",
+                cid.stem(), self.store.dir, newer_than,
+            )
+            try:
+                self.store.discard(cid)
+            except OSError as e:
+                logger.warning("could not discard %s: %s", cid.stem(), e)
+
+    def _decode(self, retrieved: Retrieved, iteration: int) -> MCoreTensorAwareStateDict:
+        """The restored state dict, with tensors on their devices. Collective: a rank that cannot
+        decode its checkpoint makes every rank raise (never some ranks loading while others
+        fail)."""
+        tasd = None
+        local: Optional[BaseException] = None
+        try:
+            tasd = MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
+            tasd.insert_tensors(retrieved.tensors)
+            _restore_devices(tasd)
+        except Exception as e:
+            local = e
+        mine = "" if local is None else f"{type(local).__name__}: {local}"
+        group = self._ckpt_group()
+        errors = collectives.all_gather_msgpack(mine, group) if group is not None else [mine]
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            r, msg = bad[0]
+            raise CheckpointingException(
+                f"rank {r} could not rebuild its state dict from iteration {iteration}: {msg}; "
+                "every rank stops (the checkpoint was written by an incompatible resilient_ckpt "
+                "or with a type this process has not registered)"
+            ) from local
+        assert tasd is not None
+        return tasd
 
     # ---- lifecycle -------------------------------------------------------------------------------
 

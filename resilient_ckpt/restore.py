@@ -7,6 +7,7 @@ the same verdict and fail together — never some ranks loading while others rai
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -44,7 +45,7 @@ class Holdings:
     def node_of(self, rank: int) -> int:
         return self._node_index[self.store_keys[rank]]
 
-    @property
+    @functools.cached_property  # planning calls node_of O(world) times: build the index once
     def _node_index(self) -> Dict[str, int]:
         idx: Dict[str, int] = {}
         for k in self.store_keys:
@@ -92,7 +93,8 @@ def gather_holdings(store: CheckpointStore, group, world_size: int) -> Holdings:
         except ForeignCheckpointError as e:
             foreign.append(str(e))
             continue
-        except (CorruptCheckpointError, StoreError) as e:
+        except (CorruptCheckpointError, StoreError, OSError) as e:
+            # A local problem must not keep this rank from the gather below (peers would wait).
             logger.warning("ignoring unreadable checkpoint %s: %s", cid.stem(), e)
             continue
         if h.owner >= world_size:
@@ -162,7 +164,15 @@ def retrieve(
         if not all_failed:
             break
         failed_log.extend(sorted(all_failed))
-        exclude |= all_failed
+        # Ranks of one node serve the same store file: a copy that failed there fails for all of
+        # them, so exclude the node's copy at once (else a corrupt local file would take one
+        # attempt per rank of the node and exhaust MAX_ATTEMPTS before a remote replica).
+        exclude |= {
+            (s, o)
+            for s_failed, o in all_failed
+            for s in range(world_size)
+            if holdings.node_of(s) == holdings.node_of(s_failed)
+        }
         # Receivers whose copy failed go again; everyone else is done.
         pending = {f.receiver for f in plan if (f.source, f.owner) in all_failed}
         if me in pending:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -28,6 +29,7 @@ import re
 import shutil
 import socket
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -47,6 +49,9 @@ DEFAULT_ROOT = "/dev/shm/resilient_ckpt"
 _MAX_HEADER_BYTES = 1 << 30
 _NAME = re.compile(r"^iter_(\d{20})\.owner_(\d{6})\.(data|hdr)$")
 SMALL_SHM_BYTES = 1 << 30
+# Unique file names within a process: two threads (prefetcher, replication) may reserve in the
+# same nanosecond, and O_CREAT on a shared name would hand both the same file.
+_UNIQUE = itertools.count()
 
 
 @dataclass(frozen=True, order=True)
@@ -264,7 +269,10 @@ class CheckpointReader:
         """Read-only mapping of the segment (the caller must not keep views past retention)."""
         with open(self.path, "rb") as f:
             m = mmap.mmap(f.fileno(), self.header.data_nbytes, prot=mmap.PROT_READ)
-        return m, torch.frombuffer(m, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # torch warns that the mapping is read-only; callers only read (send, verify) it.
+            warnings.simplefilter("ignore", UserWarning)
+            return m, torch.frombuffer(m, dtype=torch.uint8)
 
     def read_range(self, offset: int, out: memoryview) -> None:
         with open(self.path, "rb", buffering=0) as f:
@@ -320,7 +328,13 @@ class CheckpointStore:
         self.memory_budget = memory_budget
         self.dir = self.root / session
         self.free_dir = self.dir / "free"
-        self.free_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.free_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(
+                f"cannot create the store directory {self.free_dir}: {e}; fix: point store_root at "
+                "a writable tmpfs directory (default /dev/shm/resilient_ckpt)"
+            ) from e
         self._lock_path = self.dir / ".lock"
         _warn_if_small_shm(self.root)
 
@@ -367,30 +381,34 @@ class CheckpointStore:
             "fs_total_bytes": st.f_blocks * st.f_frsize,
         }
 
-    def _preflight(self, need: int, reusable: int) -> None:
+    def _preflight(self, need: int, candidate: Optional[Path] = None) -> None:
         """Raise StoreFullError, before anything is written, if ``need`` bytes do not fit.
 
-        ``reusable`` bytes come from a pooled segment; idle pooled segments are released first
-        when the budget would otherwise be exceeded.
+        ``candidate`` is the pooled segment the write will reuse; other idle pooled segments are
+        released first when the budget would otherwise be exceeded (never a stored checkpoint).
         """
+        reusable = _size(candidate) if candidate is not None else 0
         fresh = max(0, need - reusable)
         u = self.usage()
         if self.memory_budget is not None and u["total_bytes"] + fresh > self.memory_budget:
-            self.trim_free_pool(keep_bytes=reusable, locked=True)
+            self.trim_free_pool(locked=True, spare=candidate)
             u = self.usage()
         if self.memory_budget is not None and u["total_bytes"] + fresh > self.memory_budget:
             raise StoreFullError(
-                f"checkpoint of {_gib(need)} would bring store {self.dir} to "
-                f"{_gib(u['total_bytes'] + fresh)}, over its memory budget of "
-                f"{_gib(self.memory_budget)}; fix: raise memory_budget, lower keep_last, or save "
-                "fewer bytes per rank"
+                f"a checkpoint segment of {_human(need)} would bring store {self.dir} to "
+                f"{_human(u['total_bytes'] + fresh)} ({_human(u['data_bytes'])} in stored "
+                f"checkpoints, {_human(u['free_pool_bytes'])} in reusable segments), over its "
+                f"memory budget of {_human(self.memory_budget)}; nothing was written or removed. "
+                "Fix: raise memory_budget (at least (keep_last + 1) x (own + replicated bytes) "
+                "per node), lower keep_last, or save fewer bytes per rank"
             )
         if fresh > u["fs_free_bytes"]:
             raise StoreFullError(
-                f"checkpoint needs {_gib(fresh)} more in {self.root} but only "
-                f"{_gib(u['fs_free_bytes'])} of {_gib(u['fs_total_bytes'])} is free; fix: enlarge "
-                "the shared-memory filesystem (docker --shm-size, Kubernetes emptyDir "
-                "medium: Memory with sizeLimit), lower keep_last, or point store_root elsewhere"
+                f"a checkpoint segment needs {_human(fresh)} more in {self.root} but only "
+                f"{_human(u['fs_free_bytes'])} of {_human(u['fs_total_bytes'])} is free; nothing "
+                "was written or removed. Fix: enlarge the shared-memory filesystem (docker run "
+                "--shm-size, Kubernetes emptyDir medium: Memory with sizeLimit), lower keep_last, "
+                "or point store_root at a larger tmpfs"
             )
 
     # ---- write path ----------------------------------------------------------------------------
@@ -402,10 +420,10 @@ class CheckpointStore:
         files are invisible to other processes' pools. Raises StoreFullError (nothing written
         or removed) if space or budget is short.
         """
-        path = self.free_dir / f"rsv_{os.getpid()}_{time.time_ns()}.data"
+        path = self.free_dir / f"rsv_{os.getpid()}_{time.time_ns()}_{next(_UNIQUE)}.data"
         with self._locked():
             candidate = self._pick_free(nbytes)
-            self._preflight(nbytes, _size(candidate) if candidate else 0)
+            self._preflight(nbytes, candidate)
             if candidate is not None:
                 os.replace(candidate, path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -423,10 +441,12 @@ class CheckpointStore:
                         path.unlink()
                     if e.errno == errno.ENOSPC:
                         raise StoreFullError(
-                            f"out of space allocating {_gib(nbytes)} in {self.root}; fix: enlarge "
-                            "the shared-memory filesystem or lower keep_last"
+                            f"out of space allocating {_human(nbytes)} in {self.root}; nothing "
+                            "stored was removed. Fix: enlarge the shared-memory filesystem "
+                            "(docker run --shm-size, Kubernetes emptyDir medium: Memory) or "
+                            "lower keep_last"
                         ) from e
-                    raise StoreError(f"cannot allocate {_gib(nbytes)} in {self.root}: {e}") from e
+                    raise StoreError(f"cannot allocate {_human(nbytes)} in {self.root}: {e}") from e
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -463,7 +483,7 @@ class CheckpointStore:
         return seg
 
     def _pool_name(self) -> Path:
-        return self.free_dir / f"seg_{os.getpid()}_{time.time_ns()}.data"
+        return self.free_dir / f"seg_{os.getpid()}_{time.time_ns()}_{next(_UNIQUE)}.data"
 
     def _pick_free(self, nbytes: int) -> Optional[Path]:
         """Smallest pooled segment that fits, else the largest (grown by fallocate)."""
@@ -528,8 +548,17 @@ class CheckpointStore:
         except FileNotFoundError:
             raise StoreError(f"no checkpoint {cid.stem()} in {self.dir}") from None
         header = CheckpointHeader.unpack(raw, source=str(path))
+        if header.session != self.session:
+            raise ForeignCheckpointError(
+                f"{path} belongs to session {header.session!r}, this store serves session "
+                f"{self.session!r}; it is not loaded (restore it with session_id="
+                f"{header.session!r}, or remove the file)"
+            )
         if header.id != cid:
-            raise CorruptCheckpointError(f"{path} describes {header.id}")
+            raise CorruptCheckpointError(
+                f"{path} describes {header.id.stem()} (file name and header disagree); it is "
+                "not loaded"
+            )
         if self.world_size is not None and header.world_size != self.world_size:
             raise ForeignCheckpointError(
                 f"{path} was written by a job of world size {header.world_size}, this job has "
@@ -539,7 +568,25 @@ class CheckpointStore:
         return header
 
     def open(self, cid: CheckpointId) -> CheckpointReader:
-        return CheckpointReader(self.read_header(cid), self.data_path(cid))
+        header = self.read_header(cid)
+        try:
+            return CheckpointReader(header, self.data_path(cid))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{self.data_path(cid)} is missing although its header is published"
+            ) from None
+
+    def other_sessions(self) -> List[str]:
+        """Sessions under the same root that hold published checkpoints (for diagnostics)."""
+        out = []
+        with contextlib.suppress(OSError):
+            for d in self.root.iterdir():
+                if d.name == self.session or not d.is_dir():
+                    continue
+                with contextlib.suppress(OSError):
+                    if any(_NAME.match(p.name) and p.suffix == ".hdr" for p in d.iterdir()):
+                        out.append(d.name)
+        return sorted(out)
 
     # ---- retire ------------------------------------------------------------------------------
 
@@ -577,9 +624,16 @@ class CheckpointStore:
             for p in self.dir.iterdir():
                 m = _NAME.match(p.name)
                 if m and m.group(3) == "data" and p not in published and p not in busy:
+                    logger.info("recycling %s: data without a header (a save that did not finish)", p)
                     with self._locked():
                         with contextlib.suppress(FileNotFoundError):
                             os.replace(p, self._pool_name())
+                elif p.name.endswith(".tmp") and p.name.startswith("."):
+                    # A header being written when its process died: never published, remove.
+                    pid = p.name.rsplit(".", 2)[-2]
+                    if pid.isdigit() and not _pid_alive(int(pid)):
+                        with contextlib.suppress(FileNotFoundError):
+                            p.unlink()
         # Reservations of processes that died (SIGKILL mid-save) go back to the pool too.
         with contextlib.suppress(FileNotFoundError):
             for p in self.free_dir.iterdir():
@@ -588,11 +642,17 @@ class CheckpointStore:
                         with contextlib.suppress(FileNotFoundError):
                             os.replace(p, self._pool_name())
 
-    def trim_free_pool(self, keep_bytes: int = 0, locked: bool = False) -> int:
-        """Release pooled segments beyond ``keep_bytes``; returns bytes released."""
+    def trim_free_pool(self, keep_bytes: int = 0, locked: bool = False, spare: Optional[Path] = None) -> int:
+        """Release pooled segments beyond ``keep_bytes``; returns bytes released.
+
+        ``spare`` (a segment about to be reused) is never released nor counted.
+        """
         released = 0
         with contextlib.nullcontext() if locked else self._locked():
-            files = sorted((p for p in self.free_dir.iterdir() if p.name.startswith("seg_")), key=_size)
+            files = sorted(
+                (p for p in self.free_dir.iterdir() if p.name.startswith("seg_") and p != spare),
+                key=_size,
+            )
             total = sum(_size(p) for p in files)
             for p in reversed(files):
                 if total <= keep_bytes:
@@ -626,8 +686,12 @@ def _size(p: Path) -> int:
         return 0
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+def _human(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1, plus the exact count."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
 
 
 _WARNED_SMALL = set()
@@ -646,5 +710,5 @@ def _warn_if_small_shm(root: Path) -> None:
             "checkpoints larger than that will fail: run the container with --shm-size, or mount "
             "an emptyDir with medium: Memory, or set store_root to a larger tmpfs",
             root,
-            _gib(total),
+            _human(total),
         )
