@@ -47,7 +47,8 @@ from .errors import (
     ValidationError,
 )
 from .replication.placement import Placement, clique_placement, ring_placement
-from .replication.transport import Incoming, Outgoing, P2PTransport, new_checkpoint_group
+from .replication.peer import PeerReplicator
+from .replication.transport import P2PTransport, new_checkpoint_group
 from .restore import Holdings, Retrieved, gather_holdings, retrieve
 from .staging import SegmentPrefetcher, Stager, StagingHandle
 from .store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore, Segment, plan_layout
@@ -153,6 +154,11 @@ class CheckpointManager:
         timeout_s: deadline of checkpoint collectives and transfers.
         exchange_algo: fully-parallel load exchange, ``"broadcast"`` or ``"p2p"``.
         fault_hook: called with a point name from FAULT_POINTS (tests, chaos drills).
+        replication_backend: backend of the checkpoint group. Default ``"gloo"``: checkpoint
+            bytes live in host memory, and gloo moves them from there without two PCIe copies
+            and without sharing NCCL resources with training collectives running on the main
+            thread at the same time. ``"nccl"`` routes them through device bounce buffers.
+        session: alias of ``session_id``.
     """
 
     def __init__(
@@ -170,8 +176,10 @@ class CheckpointManager:
         timeout_s: float = 120.0,
         exchange_algo: str = "broadcast",
         fault_hook: Optional[Callable[[str], None]] = None,
+        replication_backend: str = "gloo",
+        session: Optional[str] = None,
     ):
-        session_id = session_id or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        session_id = session_id or session or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
         if keep_last < 1:
             raise ValidationError(f"keep_last must be >= 1, got {keep_last}")
         self.session_id = session_id
@@ -182,6 +190,13 @@ class CheckpointManager:
         self.timeout_s = timeout_s
         self.exchange_algo = exchange_algo
         self.fault_hook = fault_hook
+        self.replication_backend = replication_backend
+        if self.world_size == 1 and replication_factor > 1:
+            logger.warning(
+                "a single process has no peer to hold a replica: checkpoints stay in this node's "
+                "memory only (replication_factor=%d ignored)", replication_factor,
+            )
+            replication_factor = 1
         rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
         make = {"ring": ring_placement, "clique": clique_placement}.get(placement)
         if make is None:
@@ -195,6 +210,7 @@ class CheckpointManager:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-save")
         self._group: Optional[dist.ProcessGroup] = None
         self._transport: Optional[P2PTransport] = None
+        self._replicator = None
         self._distribution: Optional[ShardDistribution] = None
         self._in_flight: Deque[Tuple[int, Future]] = deque()
         #: jobs submitted so far (equal on every rank, see the module docstring)
@@ -215,8 +231,10 @@ class CheckpointManager:
     def _ckpt_group(self):
         """Created on first use (collective: every rank saves/loads together)."""
         if self._group is None and dist.is_initialized() and self.world_size > 1:
-            self._group = new_checkpoint_group(timeout_s=self.timeout_s)
+            self._group = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
             self._transport = P2PTransport(self._group, timeout=self.timeout_s)
+            if self._replicator is None:
+                self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)
         return self._group
 
     # ---- save ------------------------------------------------------------------------------------
@@ -278,6 +296,7 @@ class CheckpointManager:
                 "kind": self.placement.kind,
                 "factor": self.placement.replication_factor,
                 "jump": self.placement.jump,
+                "ranks_per_node": self.placement.ranks_per_node,
             },
         )
         metrics = SaveMetrics(iteration=iteration, bytes_staged=total)
@@ -334,19 +353,8 @@ class CheckpointManager:
             self._failed_seqs.add(seq)
 
     def _replicate_nothing(self) -> None:
-        holders = self.placement.holders_of(self.rank)
-        sources = self.placement.sources_for(self.rank)
-        if (not holders and not sources) or self._transport is None:
-            return
-
-        def refuse(hdr: bytes, nbytes: int) -> torch.Tensor:
-            raise ReplicationError("this rank's own save failed; replica dropped")
-
-        empty = torch.empty(0, dtype=torch.uint8)
-        self._transport.exchange(
-            [Outgoing(dst, b"", empty) for dst in holders],
-            [Incoming(src, refuse) for src in sources],
-        )
+        if self._replicator is not None:
+            self._replicator.abstain()
 
     def _check_iteration(self, iteration: int) -> None:
         if isinstance(iteration, bool) or not isinstance(iteration, int):
@@ -447,53 +455,15 @@ class CheckpointManager:
         return m
 
     def _replicate(self, header: CheckpointHeader, segment: Segment, m: SaveMetrics) -> List[CheckpointId]:
-        """Send this rank's checkpoint to its holders; receive the ones this rank holds."""
-        holders = self.placement.holders_of(self.rank)
-        sources = self.placement.sources_for(self.rank)
-        if not holders and not sources:
+        """Hand the published checkpoint to the replicator (peers or the node daemon)."""
+        if self._replicator is None:
+            if self.placement.holders_of(self.rank) or self.placement.sources_for(self.rank):
+                raise ReplicationError("replication needs an initialized process group")
             return []
-        if self._transport is None:
-            raise ReplicationError("replication needs an initialized process group")
-        raw = header.pack()
-        outgoing = [Outgoing(dst, raw, segment.buffer) for dst in holders]
-        claimed: List[Tuple[Segment, bytes, CheckpointId]] = []
-
-        def allocate_for(src: int):
-            def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
-                if not hdr:
-                    raise ReplicationError(
-                        f"rank {src} could not save iteration {header.iteration} (see that "
-                        "rank's error); its replica was not sent"
-                    )
-                h = CheckpointHeader.unpack(hdr, source=f"replica header from rank {src}")
-                if h.owner != src or h.session != self.session_id or h.iteration != header.iteration:
-                    raise ReplicationError(
-                        f"rank {src} sent {h.id} while replicating iteration {header.iteration}"
-                    )
-                seg = self.store.allocate(h.iteration, h.owner, nbytes)  # released if claim fails
-                claimed.append((seg, hdr, h.id))
-                return seg.buffer
-
-            return allocate
-
-        incoming = [Incoming(src, allocate_for(src)) for src in sources]
-        ids = []
-        try:
-            stats = self._transport.exchange(outgoing, incoming)
-            for seg, hdr, cid in claimed:
-                seg.close()
-                self.store.write_raw_header(hdr, cid)
-                ids.append(cid)
-        except BaseException:
-            # Only what this save created: a replica header of the same id that existed before
-            # made allocate() fail, so it is not in ``claimed``.
-            for seg, _, cid in claimed:
-                seg.close()
-                self.store.discard(cid)
-            raise
-        m.bytes_replicated_out = stats.bytes_sent
-        m.bytes_replicated_in = stats.bytes_received
-        return ids
+        result = self._replicator.replicate(header, segment)
+        m.bytes_replicated_out = result.bytes_out
+        m.bytes_replicated_in = result.bytes_in
+        return result.received
 
     def _discard_failed(self, iteration: int, received: List[CheckpointId]) -> None:
         """Remove what this save created: its own checkpoint and the replicas it published
