@@ -1,0 +1,91 @@
+"""Layer 7: the per-node checkpoint service (one daemon per node, ZeroMQ, msgpack frames).
+
+This package's foundation is the wire protocol (:mod:`.protocol`: message types, body
+schemas, encode/decode with limits, flow control, socket helpers) and its authentication
+(:mod:`.auth`: HMAC tags with the job's shared secret, replay guard, reject counters). The
+daemon and the trainer-side client build on these. docs/protocol.md is the specification.
+"""
+
+from __future__ import annotations
+
+from .auth import (
+    Authenticator,
+    RejectCounters,
+    ReplayGuard,
+    authenticator_from_env,
+    generate_secret,
+    load_secret,
+    write_secret_file,
+)
+from .protocol import (
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    AuthenticationError,
+    CreditGranter,
+    CreditWindow,
+    ErrorCode,
+    Limits,
+    LimitExceeded,
+    MalformedMessage,
+    Message,
+    MessageType,
+    PeerTimeout,
+    PeerUnreachable,
+    ProtocolConfigError,
+    ProtocolError,
+    ReplayedMessage,
+    StaleMessage,
+    UnknownMessageType,
+    UnsupportedVersion,
+    WrongSession,
+    chunk_checksum,
+    configure_socket,
+    decode,
+    encode,
+    error_body,
+    negotiate_version,
+    recv,
+    recv_from,
+    send,
+)
+
+__all__ = [
+    "AuthenticationError",
+    "Authenticator",
+    "CreditGranter",
+    "CreditWindow",
+    "DEFAULT_LIMITS",
+    "ErrorCode",
+    "Limits",
+    "LimitExceeded",
+    "MalformedMessage",
+    "Message",
+    "MessageType",
+    "PROTOCOL_VERSION",
+    "PeerTimeout",
+    "PeerUnreachable",
+    "ProtocolConfigError",
+    "ProtocolError",
+    "RejectCounters",
+    "ReplayGuard",
+    "ReplayedMessage",
+    "SUPPORTED_VERSIONS",
+    "StaleMessage",
+    "UnknownMessageType",
+    "UnsupportedVersion",
+    "WrongSession",
+    "authenticator_from_env",
+    "chunk_checksum",
+    "configure_socket",
+    "decode",
+    "encode",
+    "error_body",
+    "generate_secret",
+    "load_secret",
+    "negotiate_version",
+    "recv",
+    "recv_from",
+    "send",
+    "write_secret_file",
+]
