@@ -115,7 +115,10 @@ def _mp_context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "resilient_ckpt"])
+        # Everything a rank imports, once: each rank then starts in a fraction of a second.
+        _CTX.set_forkserver_preload(
+            ["torch", "torch.distributed", "resilient_ckpt", "resilient_ckpt.codec", "resilient_ckpt.manager"]
+        )
     return _CTX
 
 
