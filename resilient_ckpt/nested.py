@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Tuple, Union
 
+from .errors import ValidationError
+
 Path = Tuple[Union[str, int], ...]
 
 
@@ -156,13 +158,13 @@ def merge(x1: Any, x2: Any, path: Path = ()) -> Any:
         if not x1:
             return x2
         if len(x1) != len(x2):
-            raise ValueError(
+            raise ValidationError(
                 f"cannot merge lists of different lengths ({len(x1)} vs {len(x2)}) at {_fmt(path)}"
             )
         for i, v2 in enumerate(x2):
             x1[i] = merge(x1[i], v2, path + (i,))
         return x1
-    raise ValueError(
+    raise ValidationError(
         f"both halves hold a value at {_fmt(path)}: {type(x1).__name__} and {type(x2).__name__}"
     )
 
