@@ -725,7 +725,7 @@ def _with_checksums(header: CheckpointHeader, segment: Segment) -> CheckpointHea
 
 def _restore_devices(tasd: MCoreTensorAwareStateDict) -> None:
     """Move restored tensors to the devices they were saved from, when this host has them."""
-    devices = {d for d in tasd._devices if d}
+    devices = {d for d in tasd.pending_devices if d}
     if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
         logger.warning("checkpoint was saved from CUDA tensors; restoring on CPU (no GPU here)")
         return

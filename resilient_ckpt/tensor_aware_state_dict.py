@@ -277,6 +277,12 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """The saved shards' metadata, in the order of :attr:`tensors`."""
         return self._saved_sharded_tensors()
 
+    @property
+    def pending_devices(self) -> List[Optional[str]]:
+        """Per saved tensor: the device type it returns to on ``restore_tensor_device`` (None:
+        already there)."""
+        return list(self._devices)
+
     def pop_tensors(self) -> List[torch.Tensor]:
         if self._is_hollow:
             raise HollowStateError("pop_tensors() on a hollow state dict: tensors were already popped")
