@@ -229,12 +229,9 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
         if transport is None:
             raise CheckpointingException("a remote checkpoint copy is needed but no transport is set up")
         transport.exchange(outgoing, incoming)
+    # Unmapped when the last tensor viewing them is gone (never close() under a live view).
     del outgoing
-    for m in maps:
-        try:
-            m.close()
-        except BufferError:
-            pass  # a view is still referenced; the mapping goes with it
+    maps.clear()
     if mine is None:
         return None, failures
     cid = CheckpointId(iteration, mine.owner, store.session)

@@ -220,14 +220,12 @@ class Segment:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
+        # Never munmap explicitly: torch.frombuffer views keep a reference to the mmap object
+        # but hold no buffer export, so mmap.close() would succeed under a live view and leave
+        # it dangling (a later read segfaults). Dropping our references unmaps the segment as
+        # soon as the last view is gone — at once in the normal case.
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                # A view of the buffer is still alive somewhere; the mapping goes when it does.
-                pass
-            self._mmap = None
+        self._mmap = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
