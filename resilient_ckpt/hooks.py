@@ -22,7 +22,9 @@ import logging
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
-from .errors import CheckpointingException
+import torch
+
+from .errors import CheckpointingException, ValidationError
 from .manager import CheckpointManager, SaveHandle
 from .torch_state import TrainState
 
@@ -30,6 +32,26 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointHook:
+    """Saves every ``every_n_steps`` steps and restores at start-up (see the module docstring).
+
+    Args:
+        manager: the CheckpointManager that stores the checkpoints.
+        every_n_steps: save after steps ``N-1, 2N-1, ...`` (``step`` counts from 0).
+        state: a TrainState to save and to restore into; or
+        state_fn: returns the sharded state dict to save (Megatron-style); the restored state
+            is left in ``restored_state``.
+        raise_on_failure: re-raise a failed save instead of warning and counting it.
+        fallback_loader: called by :meth:`restore` when no complete local checkpoint exists
+            (or it cannot be restored); returns the next step to run, or None for 0.
+        optimizer: the optimizer whose ``step()`` waits for staging (default:
+            ``state.optimizer``); with ``state_fn`` pass it, or call :meth:`wait_staged`
+            yourself before mutating saved tensors.
+
+    Attributes: ``saved_steps`` (steps at which a save was started, successful or not),
+    ``failed_steps`` and ``failed_saves`` (saves that failed: the metric to alert on),
+    ``restored_from`` (the restore's metrics), ``restored_state`` (the restored state dict).
+    """
+
     def __init__(
         self,
         manager: CheckpointManager,
@@ -39,11 +61,16 @@ class CheckpointHook:
         *,
         raise_on_failure: bool = False,
         fallback_loader: Optional[Callable[[], Optional[int]]] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
     ):
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValidationError(
+                f"every_n_steps must be an int >= 1 (save after every N-th step), got {every_n_steps!r}"
+            )
         if (state is None) == (state_fn is None):
-            raise ValueError("pass exactly one of state= (a TrainState) or state_fn= (returns a sharded state dict)")
+            raise ValidationError(
+                "pass exactly one of state= (a TrainState) or state_fn= (returns a sharded state dict)"
+            )
         self.manager = manager
         self.every_n_steps = every_n_steps
         self.state = state
@@ -51,13 +78,17 @@ class CheckpointHook:
         self.raise_on_failure = raise_on_failure
         self.fallback_loader = fallback_loader
         self.failed_saves = 0
+        self.failed_steps: List[int] = []
         self.saved_steps: List[int] = []
         self.restored_from: Optional[Dict[str, Any]] = None
+        self.restored_state: Any = None
         self._pending: List[SaveHandle] = []
         self._last: Optional[SaveHandle] = None
         self._hook_handle = None
-        if state is not None and state.optimizer is not None:
-            self._hook_handle = state.optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if optimizer is None and state is not None:
+            optimizer = state.optimizer
+        if optimizer is not None:
+            self._hook_handle = optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     # ---- training loop side ------------------------------------------------------------------------
 
@@ -65,72 +96,101 @@ class CheckpointHook:
         return (step + 1) % self.every_n_steps == 0
 
     def step(self, step: int, state_fn: Optional[Callable[[], Any]] = None) -> Optional[SaveHandle]:
-        """Call once per step, after the optimizer step. Saves when ``should_save(step)``."""
+        """Call once per step, after the optimizer step. Saves when ``should_save(step)``.
+
+        Returns the save's handle (None when this step does not save or the save could not
+        start). Failures of earlier saves that finished meanwhile are reported here.
+        """
         self._collect_finished()
         if not self.should_save(step):
             return None
         fn = state_fn or self.state_fn or self.state.sharded_state_dict
+        self.saved_steps.append(step)
         try:
             handle = self.manager.save_local(fn(), iteration=step)
         except CheckpointingException as e:
-            self._failed(step, e)
+            self._report([(step, e)])
             return None
         self._last = handle
         self._pending.append(handle)
-        self.saved_steps.append(step)
         return handle
 
     def wait_staged(self) -> None:
-        """Block until the latest save's copies are done (before mutating saved tensors)."""
-        if self._last is not None:
-            self._last.wait_staged()
+        """Block until the latest save's copies are done (before mutating saved tensors).
+
+        A failed copy does not raise here (this runs inside ``optimizer.step()``): the save
+        fails and is reported like any failed save, by :meth:`step` or :meth:`finish`.
+        """
+        handle, self._last = self._last, None
+        if handle is None:
+            return
+        try:
+            handle.wait_staged()
+        except Exception as e:  # reported through the save's handle
+            logger.debug("staging of step %d failed: %s", handle.iteration, e)
 
     def _before_optimizer_step(self, *_args, **_kwargs) -> None:
         self.wait_staged()
 
     def _collect_finished(self) -> None:
-        still = []
-        for h in self._pending:
-            if not h.done():
-                still.append(h)
-                continue
-            err = h.exception()
-            if err is not None:
-                self._failed(h.iteration, err)
-        self._pending = still
+        done = [h for h in self._pending if h.done()]
+        self._pending = [h for h in self._pending if h not in done]
+        self._report([(h.iteration, h.exception()) for h in done if h.exception() is not None])
 
-    def _failed(self, step: int, err: BaseException) -> None:
-        self.failed_saves += 1
-        if self.raise_on_failure:
-            raise err
-        warnings.warn(f"local checkpoint of step {step} failed (training continues): {err}", RuntimeWarning)
-        logger.warning("local checkpoint of step %d failed: %s", step, err)
+    def _report(self, failures) -> None:
+        """Count and warn about every failure, then raise the first if asked to."""
+        for step, err in failures:
+            self.failed_saves += 1
+            self.failed_steps.append(step)
+            logger.warning("local checkpoint of step %d failed: %s", step, err)
+            if not self.raise_on_failure:
+                warnings.warn(
+                    f"local checkpoint of step {step} failed (training continues; "
+                    f"{self.failed_saves} failed so far): {err}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if failures and self.raise_on_failure:
+            raise failures[0][1]
 
     def finish(self) -> None:
         """Wait for outstanding saves (end of training); reports failures like :meth:`step`."""
-        for h in self._pending:
+        pending, self._pending = self._pending, []
+        failures = []
+        for h in pending:
             try:
                 h.wait()
             except CheckpointingException as e:
-                self._failed(h.iteration, e)
-        self._pending = []
+                failures.append((h.iteration, e))
+        self._report(failures)
 
     # ---- start-up side ------------------------------------------------------------------------
 
     def restore(self, template: Optional[Any] = None) -> int:
         """Restore the newest complete local checkpoint; returns the next step to run.
 
-        With a TrainState the restored state is applied to it. When no complete local
-        checkpoint exists, says so and calls ``fallback_loader`` (your own loader returning
-        the next step, or None) — 0 means a fresh start.
+        With a TrainState the restored state is applied to it (otherwise it is left in
+        ``restored_state``). When no complete local checkpoint exists, logs so and returns
+        ``fallback_loader()`` (your own loader returning the next step, or None) — 0 means a
+        fresh start. A local checkpoint that exists but cannot be restored raises, unless a
+        fallback loader is set: then it is logged as a warning and the fallback is used.
         """
-        result = self.manager.load_local(template)
+        session = self.manager.session_id
+        try:
+            result = self.manager.load_local(template)
+        except CheckpointingException as e:
+            if self.fallback_loader is None:
+                raise
+            logger.warning(
+                "local checkpoint of session %r could not be restored (%s); falling back to "
+                "the caller's loader", session, e,
+            )
+            return self._fallback()
         if result is None:
-            logger.info("no complete local checkpoint for session %r", self.manager.session_id)
             if self.fallback_loader is not None:
-                logger.info("falling back to the caller's loader")
-                step = self.fallback_loader()
-                return int(step or 0)
+                logger.info("no complete local checkpoint for session %r; falling back to the caller's loader", session)
+                return self._fallback()
+            logger.info("no complete local checkpoint for session %r; starting fresh at step 0", session)
             return 0
         state, iteration = result
         if self.state is not None:
@@ -140,8 +200,15 @@ class CheckpointHook:
         self.restored_from = m.as_dict() if m is not None else {"iteration": iteration}
         return iteration + 1
 
+    def _fallback(self) -> int:
+        step = self.fallback_loader()
+        return int(step or 0)
+
     def close(self) -> None:
-        self.finish()
-        if self._hook_handle is not None:
-            self._hook_handle.remove()
-            self._hook_handle = None
+        """Wait for outstanding saves and detach from the optimizer."""
+        try:
+            self.finish()
+        finally:
+            if self._hook_handle is not None:
+                self._hook_handle.remove()
+                self._hook_handle = None

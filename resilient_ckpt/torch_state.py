@@ -17,6 +17,7 @@ manager saves and applies a restored one back, so a user never sees a ShardedTen
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -26,10 +27,15 @@ import torch.distributed as dist
 from .errors import ValidationError
 from .mapping import ShardedObject, ShardedTensor
 
-try:  # torch >= 2.4 public location; FSDP2 produces these
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    DTensor = None  # type: ignore[assignment]
+
+def _dtensor_class():
+    """DTensor, if its module is loaded — else no tensor can be one.
+
+    Importing ``torch.distributed.tensor`` costs about a second per process, paid on every
+    restart by DDP-only jobs that never use it; FSDP2 / tensor parallelism load it themselves.
+    """
+    mod = sys.modules.get("torch.distributed.tensor")  # torch >= 2.4 public location
+    return getattr(mod, "DTensor", None)
 
 
 def _dp_rank_and_size(group) -> Tuple[int, int]:
@@ -39,7 +45,8 @@ def _dp_rank_and_size(group) -> Tuple[int, int]:
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def to_sharded_tensor(key: str, t: torch.Tensor, dp_rank: int = 0) -> ShardedTensor:
@@ -169,8 +176,9 @@ class TrainState:
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         per_rank = state.get("per_rank") or {}
-        self.extra.clear()
-        self.extra.update(per_rank.get("extra", {}))
+        if "extra" in per_rank:  # a checkpoint without it leaves the caller's dict alone
+            self.extra.clear()
+            self.extra.update(per_rank["extra"])
         if self.rng and "rng" in per_rank:
             restore_rng_state(per_rank["rng"])
 
@@ -216,7 +224,7 @@ def _like_param(v: Any, param: torch.Tensor) -> Any:
         return v
     if tuple(v.shape) != tuple(param.to_local().shape):
         return v
-    return DTensor.from_local(
+    return _dtensor_class().from_local(
         v.to(param.to_local().device), param.device_mesh, param.placements, run_check=False,
         shape=param.shape, stride=param.stride(),
     )

@@ -64,7 +64,10 @@ class Demo:
     def __init__(self, args):
         self.args = args
         self.world = args.nodes * args.ranks_per_node
-        self.base = Path(args.workdir or tempfile.mkdtemp(prefix="resilient_ckpt_demo_", dir=_shm_or_tmp()))
+        # Always a fresh directory of our own, also inside --workdir: it is removed at the end.
+        parent = args.workdir or _shm_or_tmp()
+        os.makedirs(parent, exist_ok=True)
+        self.base = Path(tempfile.mkdtemp(prefix="resilient_ckpt_demo_", dir=parent))
         self.timeline: List[tuple] = []
         self.t0 = time.time()
         self.daemons = None
@@ -148,6 +151,16 @@ class Demo:
     # ---- the three phases ----------------------------------------------------------------------------
 
     def run(self) -> int:
+        """Run the three phases; node stores (tmpfs memory) are removed on every exit path."""
+        try:
+            return self._run()
+        finally:
+            if self.daemons is not None:
+                self.daemons.stop()
+            if not self.args.keep:
+                shutil.rmtree(self.base, ignore_errors=True)
+
+    def _run(self) -> int:
         a = self.args
         victims = self.victim_ranks()
         self.log(
@@ -204,10 +217,18 @@ class Demo:
                 f"rank {e['rank']} restored iteration {e['iteration']} from {e['source']} "
                 f"(served by rank {e['source_rank']}) in {e['seconds']:.2f}s"
             )
-        resumed = restored[0]["step"]
+        resumed_steps = {e["step"] for e in restored}
+        if len(resumed_steps) != 1:
+            raise SystemExit(f"ranks resumed from different steps: {sorted(resumed_steps)}")
+        resumed = resumed_steps.pop()
         restore_s = max(e["seconds"] for e in restored)
         combined = {s: l for s, l in run1_losses.items() if s < resumed}
         combined.update(_losses(run2.events))
+        self.restores = [
+            {k: e[k] for k in ("rank", "iteration", "source", "source_rank", "seconds")}
+            for e in sorted(restored, key=lambda e: e["rank"])
+        ]
+        self.victims = victims
         return self.report(ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s)
 
     def victim_ranks(self) -> List[int]:
@@ -274,6 +295,9 @@ class Demo:
             "bit_exact_params": same_params,
             "failure_step": last_step,
             "resumed_from_step": resumed,
+            "failure": a.failure,
+            "killed_ranks": self.victims,
+            "restores": self.restores,
             "restore_seconds": restore_s,
             "seconds_lost": lost_s,
             "seconds_from_scratch": scratch_s,
@@ -281,10 +305,6 @@ class Demo:
         }
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=2))
-        if not a.keep:
-            shutil.rmtree(self.base, ignore_errors=True)
-        if self.daemons is not None:
-            self.daemons.stop()
         print(f"total demo time: {time.time() - self.t0:.1f}s")
         return 0 if (same_losses and same_params) else 1
 
@@ -298,7 +318,13 @@ def _mp_context():
         import multiprocessing as mp
 
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "resilient_ckpt.demo.worker", "resilient_ckpt.hooks"])
+        # resilient_ckpt first: it filters torch's pynvml warning before torch is imported.
+        # torch._inductor.config is what torch.use_deterministic_algorithms() imports (~1.2 s of
+        # CPU per rank, ~3 s per launch of 4 ranks on 2 cores when paid after the fork).
+        _CTX.set_forkserver_preload([
+            "resilient_ckpt", "torch", "torch.distributed", "torch._inductor.config",
+            "resilient_ckpt.demo.worker", "resilient_ckpt.hooks",
+        ])
     return _CTX
 
 
@@ -369,7 +395,8 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path (default ./demo_loss.png)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
-    p.add_argument("--workdir", default=None, help="where node stores live (default a fresh dir in /dev/shm)")
+    p.add_argument("--workdir", default=None,
+                   help="where node stores live: a fresh directory is made inside (default /dev/shm)")
     p.add_argument("--keep", action="store_true", help="keep the node stores after the demo")
     return p
 
@@ -380,6 +407,12 @@ def main(argv=None) -> int:
         args.fail_step = (2 * args.steps) // 3 + args.interval // 2
     if args.failure == "daemon" and args.mode != "service":
         raise SystemExit("--failure daemon needs --mode service")
+    if args.mode == "service":
+        from .worker import service_mode_missing
+
+        missing = service_mode_missing(demo=True)
+        if missing:
+            raise SystemExit(f"--mode service is not available: {missing}; run the demo in --mode embedded")
     if args.nodes < 2 and args.failure == "node":
         raise SystemExit("a node failure needs at least 2 nodes (copies live on other nodes)")
     if not 0 <= args.fail_step < args.steps - 1:

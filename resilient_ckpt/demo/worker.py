@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Optional
 
 
 def emit(**event) -> None:
@@ -68,13 +69,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def service_mode_missing(demo: bool = False) -> Optional[str]:
+    """Why ``--mode service`` cannot run in this build (None when it can)."""
+    import importlib.util
+    import inspect
+
+    from resilient_ckpt.manager import CheckpointManager
+
+    if "endpoint" not in inspect.signature(CheckpointManager).parameters:
+        return "this build's CheckpointManager has no service client (no endpoint= argument)"
+    if demo and importlib.util.find_spec("resilient_ckpt.demo.services") is None:
+        return "this build has no demo daemons (resilient_ckpt.demo.services)"
+    return None
+
+
 def main(argv=None) -> int:
     """Entry point under torchrun / plain env:// launches: events go to stdout."""
 
     def pause() -> None:
         sys.stdin.read()
 
-    return run(parse_args(argv), emit, pause)
+    args = parse_args(argv)
+    if args.mode == "service" and service_mode_missing():
+        raise SystemExit(f"--mode service is not available: {service_mode_missing()}; use --mode embedded")
+    return run(args, emit, pause)
 
 
 def run(args: argparse.Namespace, emit, pause) -> int:
