@@ -107,7 +107,7 @@ class CheckpointHook:
         fn = state_fn or self.state_fn or self.state.sharded_state_dict
         self.saved_steps.append(step)
         try:
-            handle = self.manager.save_local(fn(), iteration=step)
+            handle = self.manager.save_local(fn, iteration=step)
         except CheckpointingException as e:
             self._report([(step, e)])
             return None

@@ -242,7 +242,9 @@ class CheckpointManager:
     def save_local(
         self, state_dict: Any, iteration: int, is_async: bool = True
     ) -> SaveHandle:
-        """Snapshot ``state_dict`` (a sharded state dict or an MCoreTensorAwareStateDict).
+        """Snapshot ``state_dict`` (a sharded state dict, an MCoreTensorAwareStateDict, or a
+        callable returning one — preferred in loops: if it raises on some ranks, every rank
+        still fails this save together instead of waiting for a timeout).
 
         Returns once the copies have started (``is_async``) or once the checkpoint is complete
         on every rank. Collective on the first call (distribution, checkpoint group).
@@ -255,6 +257,10 @@ class CheckpointManager:
         self._refresh_distribution(seq)
         segment: Optional[Segment] = None
         try:
+            if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
+                # Built here so a rank whose state function raises still queues its (failed)
+                # job and votes: peers are told at once and job numbering stays in step.
+                state_dict = state_dict()
             if isinstance(state_dict, MCoreTensorAwareStateDict):
                 tasd = state_dict
             else:
