@@ -1,0 +1,249 @@
+"""The machine's own limits, measured in the same run as the systems they bound.
+
+* ``memcpy_bandwidth``: ``torch`` ``copy_`` of a large CPU tensor into a pre-faulted
+  destination (default threads and 1 thread) - what staging into host memory can reach;
+* ``shm_memcpy_bandwidth``: the same into a pre-faulted ``mmap`` of a ``/dev/shm`` file - what
+  writing a shared-memory store can reach;
+* ``gloo_p2p_bandwidth``: ``torch.distributed`` send/recv of large tensors between 2 processes
+  on loopback - what replication over the trainer's process group can reach;
+* ``zmq_bandwidth``: ZeroMQ PAIR sockets on loopback, 2 processes, zero-copy multipart frames
+  of 64 MiB - what daemon-to-daemon replication can reach.
+
+All return bytes per second (medians over repetitions). The two transport measurements start
+their own processes with the bench launcher (:func:`resilient_ckpt.bench.runner.launch`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from ..errors import ValidationError
+
+FRAME_BYTES = 64 << 20
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValidationError(f"{name}={value!r}: pass a positive integer number of bytes/reps")
+
+
+@contextmanager
+def _threads(n: Optional[int]) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _timed_copies(dst: torch.Tensor, src: torch.Tensor, reps: int) -> float:
+    dst.copy_(src)  # warm-up: faults in both sides, spins up the thread pool
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return src.numel() * src.element_size() / statistics.median(times)
+
+
+def memcpy_bandwidth(nbytes: int = 1 << 30, *, threads: Optional[int] = None, reps: int = 5) -> float:
+    """Bytes/s of ``dst.copy_(src)`` between pre-faulted CPU tensors (``threads=None``: torch's
+    default thread count)."""
+    _check_positive("nbytes", nbytes)
+    _check_positive("reps", reps)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    with _threads(threads):
+        return _timed_copies(dst, src, reps)
+
+
+def fresh_memcpy_bandwidth(nbytes: int = 1 << 30, *, reps: int = 3) -> float:
+    """Bytes/s of copying into a *newly allocated* tensor (page faults included): what a save
+    that allocates its staging buffers every time pays. Not a limit; shown for context."""
+    _check_positive("nbytes", nbytes)
+    _check_positive("reps", reps)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    times = []
+    with _threads(1):
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+            del dst
+    return nbytes / statistics.median(times)
+
+
+def shm_memcpy_bandwidth(
+    nbytes: int = 1 << 30, *, threads: Optional[int] = None, reps: int = 5, directory: str = "/dev/shm"
+) -> float:
+    """Bytes/s of ``copy_`` into a pre-faulted shared mapping of a file in ``directory``."""
+    _check_positive("nbytes", nbytes)
+    _check_positive("reps", reps)
+    if not os.path.isdir(directory):
+        raise ValidationError(f"{directory!r} is not a directory: pass a tmpfs mount point")
+    fd, path = tempfile.mkstemp(prefix="rckpt-limits-", dir=directory)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            dst = torch.frombuffer(mm, dtype=torch.uint8)
+            dst.fill_(0)  # pre-fault: tmpfs pages allocated before timing
+            src = torch.ones(nbytes, dtype=torch.uint8)
+            with _threads(threads):
+                bw = _timed_copies(dst, src, reps)
+            del dst  # release the buffer export before closing the mapping
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return bw
+
+
+# --- transports (run inside launcher ranks) ------------------------------------------------
+
+
+def _gloo_rank(ctx, total: int, chunk: int, reps: int) -> Optional[float]:
+    import torch.distributed as dist
+
+    n = max(1, total // chunk)
+    buf = torch.ones(chunk, dtype=torch.uint8) if ctx.rank == 0 else torch.zeros(chunk, dtype=torch.uint8)
+    ack = torch.zeros(1, dtype=torch.int64)
+    times: List[float] = []
+    for rep in range(reps + 1):  # first round is a warm-up (connection set-up, page faults)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if ctx.rank == 0:
+            for _ in range(n):
+                dist.send(buf, 1)
+            dist.recv(ack, 1)  # the receiver has everything
+        else:
+            for _ in range(n):
+                dist.recv(buf, 0)
+            dist.send(ack, 0)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return n * chunk / statistics.median(times) if ctx.rank == 0 else None
+
+
+def _zmq_rank(ctx, port: int, total: int, frame: int, reps: int) -> Optional[float]:
+    import zmq
+
+    n = max(1, total // frame)
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 120_000)
+    sock.setsockopt(zmq.SNDTIMEO, 120_000)
+    try:
+        if ctx.rank == 0:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+            payload = memoryview(torch.ones(frame, dtype=torch.uint8).numpy())
+            times: List[float] = []
+            for rep in range(reps + 1):
+                sock.recv()  # receiver ready
+                t0 = time.perf_counter()
+                for i in range(n):
+                    # a small header frame + the data frame, sent without copying
+                    sock.send_multipart([i.to_bytes(8, "little"), payload], copy=False)
+                sock.recv()  # receiver has everything
+                if rep:
+                    times.append(time.perf_counter() - t0)
+            return n * frame / statistics.median(times)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        for _ in range(reps + 1):
+            sock.send(b"ready")
+            got = 0
+            for _ in range(n):
+                parts = sock.recv_multipart(copy=False)
+                got += len(parts[1].buffer)
+            if got != n * frame:
+                raise ValidationError(f"zmq receiver got {got} bytes, expected {n * frame}")
+            sock.send(b"done")
+        return None
+    finally:
+        sock.close(0)
+        zctx.term()
+
+
+def gloo_p2p_bandwidth(total: int = 1 << 30, *, chunk: int = FRAME_BYTES, reps: int = 3) -> float:
+    """Bytes/s of gloo send/recv of ``chunk``-byte tensors between 2 processes on loopback."""
+    from .runner import launch
+
+    _check_positive("total", total)
+    _check_positive("chunk", chunk)
+    with tempfile.TemporaryDirectory(prefix="rckpt-limits-") as root:
+        out = launch(_gloo_rank, 2, root, args=(total, min(chunk, total), reps))
+    return out[0]
+
+
+def zmq_bandwidth(total: int = 1 << 30, *, frame: int = FRAME_BYTES, reps: int = 3) -> float:
+    """Bytes/s of ZeroMQ zero-copy multipart messages between 2 processes on loopback."""
+    from .runner import free_port, launch
+
+    _check_positive("total", total)
+    _check_positive("frame", frame)
+    with tempfile.TemporaryDirectory(prefix="rckpt-limits-") as root:
+        out = launch(
+            _zmq_rank, 2, root, args=(free_port(), total, min(frame, total), reps),
+            init_process_group=False,
+        )
+    return out[0]
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """Bandwidths in bytes/s and the buffer sizes they were measured with."""
+
+    memcpy_bps: float
+    memcpy_1thread_bps: float
+    shm_memcpy_bps: float
+    shm_memcpy_1thread_bps: float
+    fresh_memcpy_1thread_bps: float
+    gloo_p2p_bps: float
+    zmq_bps: float
+    threads: int
+    memcpy_bytes: int
+    transport_bytes: int
+
+    @property
+    def p2p_bps(self) -> float:
+        """The best loopback point-to-point transport measured."""
+        return max(self.gloo_p2p_bps, self.zmq_bps)
+
+    def to_dict(self) -> Dict[str, float]:
+        d = asdict(self)
+        d["p2p_bps"] = self.p2p_bps
+        return d
+
+
+def measure_limits(*, quick: bool = False, memcpy_bytes: Optional[int] = None,
+                   transport_bytes: Optional[int] = None) -> MachineLimits:
+    """All limits; ``quick`` uses small buffers (seconds instead of tens of seconds)."""
+    mb = memcpy_bytes or ((64 << 20) if quick else (1 << 30))
+    tb = transport_bytes or ((256 << 20) if quick else (1 << 30))
+    reps = 3 if quick else 5
+    return MachineLimits(
+        memcpy_bps=memcpy_bandwidth(mb, reps=reps),
+        memcpy_1thread_bps=memcpy_bandwidth(mb, threads=1, reps=reps),
+        shm_memcpy_bps=shm_memcpy_bandwidth(mb, reps=reps),
+        shm_memcpy_1thread_bps=shm_memcpy_bandwidth(mb, threads=1, reps=reps),
+        fresh_memcpy_1thread_bps=fresh_memcpy_bandwidth(mb, reps=3),
+        gloo_p2p_bps=gloo_p2p_bandwidth(tb, reps=2 if quick else 3),
+        zmq_bps=zmq_bandwidth(tb, reps=2 if quick else 3),
+        threads=torch.get_num_threads(),
+        memcpy_bytes=mb,
+        transport_bytes=tb,
+    )

@@ -1,0 +1,256 @@
+"""Tables, JSON and plots of a bench run; everything works from the run's JSON document.
+
+Limits used for "x limit" ratios (lower bounds on this one machine, where all W ranks share
+the cores and the memory bus; s = B/2 + B/(2W) bytes a rank saves after dedup, R = B/2
+replicated bytes, F = replication factor, rpn = ranks per node):
+
+* stall:              W*s / memcpy                       (all ranks stage their bytes at once)
+* durable:            W*s / memcpy + W*s*(F-1) / p2p     (+ every replica over loopback)
+* restore (restart):  W*s / shm-memcpy + (W-1)*R / p2p   (read own shards, exchange replicas)
+* restore (node loss): restart + rpn*s / p2p             (the lost node's shards from peers)
+
+memcpy / shm-memcpy are the better of the default-thread and 1-thread figures, p2p the better
+of gloo send/recv and ZeroMQ, all measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+from .workload import expected_saved_bytes, format_size
+
+BASELINE = "baseline"
+METRIC_LABELS = {
+    "stall_s": "save stall",
+    "durable_s": "time to durable",
+    "restore_restart_s": "restore after restart",
+    "restore_node_loss_s": "restore after node loss",
+    "peak_rss_save_bytes": "peak RSS save",
+    "peak_rss_restore_bytes": "peak RSS restore",
+    "store_bytes_per_rank": "store bytes/rank",
+}
+TIME_METRICS = ("stall_s", "durable_s", "restore_restart_s", "restore_node_loss_s")
+LIMIT_FORMULAS = {
+    "stall_s": "W*s/memcpy",
+    "durable_s": "W*s/memcpy + W*s*(F-1)/p2p",
+    "restore_restart_s": "W*s/shm_memcpy + (W-1)*R/p2p",
+    "restore_node_loss_s": "W*s/shm_memcpy + (W-1)*R/p2p + rpn*s/p2p",
+}
+
+
+def limit_seconds(metric: str, bytes_per_rank: int, world_size: int, ranks_per_node: int,
+                  replication_factor: int, limits: Optional[Dict[str, float]]) -> Optional[float]:
+    """The machine's lower bound for ``metric`` (see module docstring), None where none applies."""
+    if not limits or metric not in LIMIT_FORMULAS:
+        return None
+    w, f = world_size, replication_factor
+    s = expected_saved_bytes(bytes_per_rank, world_size)
+    r = bytes_per_rank // 2
+    p2p = limits["p2p_bps"]
+    # the best thread count measured: a bound, not what one configuration happens to get
+    memcpy = max(limits["memcpy_bps"], limits["memcpy_1thread_bps"])
+    shm = max(limits["shm_memcpy_bps"], limits["shm_memcpy_1thread_bps"])
+    if metric == "stall_s":
+        return w * s / memcpy
+    if metric == "durable_s":
+        return w * s / memcpy + w * s * (f - 1) / p2p
+    restart = w * s / shm + (w - 1) * r / p2p
+    if metric == "restore_restart_s":
+        return restart
+    return restart + ranks_per_node * s / p2p
+
+
+def _median(run: Dict[str, Any], metric: str) -> Optional[float]:
+    m = run["metrics"].get(metric)
+    return None if m is None else m["median"]
+
+
+def comparisons(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """For each metric, size and world size: ours, baseline, ours/baseline, the limit and
+    ours/limit, one row per non-baseline system (``system`` None and ``ours`` None where only
+    the baseline ran)."""
+    runs = doc["runs"]
+    keys = sorted({(r["world_size"], r["bytes_per_rank"]) for r in runs})
+    out = []
+    for w, b in keys:
+        here = [r for r in runs if (r["world_size"], r["bytes_per_rank"]) == (w, b)]
+        ref = next((r for r in here if r["system"] == BASELINE), None)
+        mine = [r for r in here if r["system"] != BASELINE] or [None]
+        any_run = here[0]
+        for metric in METRIC_LABELS:
+            lim = limit_seconds(metric, b, w, any_run["ranks_per_node"],
+                                any_run["replication_factor"], doc.get("limits"))
+            bl = _median(ref, metric) if ref is not None else None
+            for r in mine:
+                ours = _median(r, metric) if r is not None else None
+                out.append({
+                    "metric": metric,
+                    "bytes_per_rank": b,
+                    "world_size": w,
+                    "system": None if r is None else r["system"],
+                    "ours": ours,
+                    "baseline": bl,
+                    "ratio": (ours / bl) if ours is not None and bl else None,
+                    "limit": lim,
+                    "limit_formula": LIMIT_FORMULAS.get(metric),
+                    "ratio_to_limit": (ours / lim) if ours is not None and lim else None,
+                    "baseline_ratio_to_limit": (bl / lim) if bl is not None and lim else None,
+                })
+    return out
+
+
+# --- terminal --------------------------------------------------------------------------------
+
+
+def console():
+    from rich.console import Console
+
+    con = Console()
+    # redirected output (CI logs, pytest): no 80-column wrapping of tables and messages
+    return con if con.is_terminal else Console(width=200, soft_wrap=True)
+
+
+def _fmt(metric: str, v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    if metric.endswith("_s"):
+        return f"{v:.3f} s"
+    return f"{v / (1 << 30):.2f} GiB"
+
+
+def _ratio(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def format_limits(limits: Dict[str, float]) -> str:
+    gib = 1 << 30
+    return (
+        f"limits: memcpy {limits['memcpy_bps'] / gib:.2f} GiB/s ({limits['threads']} threads), "
+        f"{limits['memcpy_1thread_bps'] / gib:.2f} GiB/s (1 thread); /dev/shm mmap memcpy "
+        f"{limits['shm_memcpy_bps'] / gib:.2f} GiB/s ({limits['shm_memcpy_1thread_bps'] / gib:.2f}"
+        f" 1 thread); memcpy into fresh pages {limits['fresh_memcpy_1thread_bps'] / gib:.2f} GiB/s "
+        f"(1 thread, page faults included); gloo p2p {limits['gloo_p2p_bps'] / gib:.2f} GiB/s; ZeroMQ "
+        f"{limits['zmq_bps'] / gib:.2f} GiB/s (64 MiB zero-copy frames)"
+    )
+
+
+def render(doc: Dict[str, Any], con=None) -> None:
+    """Rich tables: one per world size, rows = metric x size, columns = systems and ratios."""
+    from rich.table import Table
+
+    con = con or console()
+    runs = doc["runs"]
+    systems = list(dict.fromkeys(r["system"] for r in runs))
+    others = [s for s in systems if s != BASELINE]
+    by_key = {(r["system"], r["bytes_per_rank"], r["world_size"]): r for r in runs}
+    for w in sorted({r["world_size"] for r in runs}):
+        sizes = sorted({r["bytes_per_rank"] for r in runs if r["world_size"] == w})
+        rpn = next(r["ranks_per_node"] for r in runs if r["world_size"] == w)
+        t = Table(title=f"W={w} ranks, {rpn} per node, replication factor "
+                        f"{runs[0]['replication_factor']} (medians over reps)")
+        t.add_column("metric")
+        t.add_column("B/rank", justify="right")
+        for s in systems:
+            t.add_column(s, justify="right")
+        for s in others:
+            if BASELINE in systems:
+                t.add_column(f"{s}\n/ baseline", justify="right")
+            t.add_column(f"{s}\n/ limit", justify="right")
+        t.add_column("limit", justify="right")
+        for metric, label in METRIC_LABELS.items():
+            for b in sizes:
+                row = [label, format_size(b)]
+                vals = {s: (_median(by_key[(s, b, w)], metric) if (s, b, w) in by_key else None)
+                        for s in systems}
+                row += [_fmt(metric, vals[s]) for s in systems]
+                lim = limit_seconds(metric, b, w, rpn, runs[0]["replication_factor"],
+                                    doc.get("limits"))
+                for s in others:
+                    if BASELINE in systems:
+                        bl = vals[BASELINE]
+                        row.append(_ratio(vals[s] / bl if vals[s] is not None and bl else None))
+                    row.append(_ratio(vals[s] / lim if vals[s] is not None and lim else None))
+                row.append(_fmt(metric, lim) if lim is not None else "")
+                t.add_row(*row)
+        con.print(t)
+    if doc.get("limits"):
+        con.print(format_limits(doc["limits"]), markup=False, highlight=False)
+    con.print(f"peak RSS: {doc['rss_method']}", markup=False, highlight=False)
+    if doc.get("patched_for_cpu"):
+        con.print("patched for CPU: " + "; ".join(doc["patched_for_cpu"]), markup=False,
+                  highlight=False)
+    for s in doc.get("skipped", []):
+        where = (f" {format_size(s['bytes_per_rank'])} W={s['world_size']}"
+                 if "bytes_per_rank" in s else "")
+        con.print(f"skipped {s['system']}{where}: {s['reason']}", markup=False, highlight=False)
+    for r in runs:
+        for e in r["errors"]:
+            con.print(f"ERROR {r['system']} {format_size(r['bytes_per_rank'])} "
+                      f"W={r['world_size']}: {e}", markup=False, highlight=False)
+
+
+# --- files ---------------------------------------------------------------------------------
+
+
+def write_json(doc: Dict[str, Any], path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def plot(doc: Dict[str, Any], path: str) -> None:
+    """PNG: seconds vs bytes per rank, one panel per world size, a line per system and
+    metric, the machine's limits as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    worlds = sorted({r["world_size"] for r in runs}) or [0]
+    systems = list(dict.fromkeys(r["system"] for r in runs))
+    colors = dict(zip(TIME_METRICS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    markers = ["o", "s", "^", "D", "v", "P"]
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6.5 * len(worlds), 5), squeeze=False)
+    for ax, w in zip(axes[0], worlds):
+        sizes = sorted({r["bytes_per_rank"] for r in runs if r["world_size"] == w})
+        for si, s in enumerate(systems):
+            rs = sorted((r for r in runs if r["system"] == s and r["world_size"] == w),
+                        key=lambda r: r["bytes_per_rank"])
+            for metric in TIME_METRICS:
+                pts = [(r["bytes_per_rank"] / (1 << 20), _median(r, metric)) for r in rs]
+                pts = [(x, y) for x, y in pts if y is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker=markers[si % len(markers)],
+                            linestyle="-" if s != BASELINE else ":", color=colors[metric],
+                            label=f"{s}: {METRIC_LABELS[metric]}")
+        rs = [r for r in runs if r["world_size"] == w]
+        if doc.get("limits") and rs:
+            for metric in TIME_METRICS:
+                pts = [(b / (1 << 20), limit_seconds(metric, b, w, rs[0]["ranks_per_node"],
+                                                     rs[0]["replication_factor"], doc["limits"]))
+                       for b in sizes]
+                ax.plot(*zip(*pts), linestyle="--", linewidth=1, color=colors[metric], alpha=0.6,
+                        label=f"limit: {METRIC_LABELS[metric]}")
+        if sizes:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks([b / (1 << 20) for b in sizes], [format_size(b) for b in sizes])
+            ax.minorticks_off() if len(sizes) > 1 else None
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"W={w}")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, loc="upper left")
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

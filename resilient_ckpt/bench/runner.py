@@ -1,0 +1,813 @@
+"""Side-by-side benchmark: our checkpointing against Megatron-core + nvidia-resiliency-ext.
+
+One configuration = (system, bytes per rank B, world size W). Each repetition:
+
+1. **save phase**: W fresh rank processes (gloo group, ``ranks_per_node`` ranks per simulated
+   node, one store directory per node under a temporary directory on ``/dev/shm``) build the
+   workload, ``setup`` the system, save once to warm caches (iteration 100), advance, then
+   save iteration 200 - timed: *stall* = the ``save`` call (the loop may mutate its tensors
+   when it returns, and the runner does so at once), *durable* = until ``wait()`` on the
+   returned handle returns (stored + replicated + agreed complete on all ranks). The ranks
+   then get SIGKILL, no teardown: a crash.
+2. **restore after process restart**: fresh processes on the same nodes build a zero template,
+   ``setup`` (manager constructed, process group up), then ``restore(template)`` is timed;
+   the result is checked bit-exactly against iteration 200 *after* timing.
+3. **restore after node loss**: node 0's services (if the system runs any) are killed, its
+   store directory is deleted, a replacement node starts empty, then as 2: its ranks must
+   get their data from replicas on the other node.
+
+Figures per repetition are the max over ranks; reported figures are medians over repetitions.
+Peak RSS is ``VmHWM`` from ``/proc/self/status`` (resident pages of the rank process, shared
+and file pages it mapped included), reset through ``/proc/self/clear_refs`` right before the
+timed save and before the restore. The same run measures the machine's limits
+(:mod:`resilient_ckpt.bench.limits`).
+
+Systems implement :class:`System` (see its docstring) and are named in :data:`SYSTEMS` or
+given as ``module:Class``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import re
+import resource
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from ..errors import CheckpointingException, ValidationError
+from .workload import expected_saved_bytes, format_size, parse_size
+
+#: Built-in systems: name -> "module:Class". ``resilient_ckpt.bench.ours`` is the lead's.
+SYSTEMS: Dict[str, str] = {
+    "baseline": "resilient_ckpt.bench.baseline:BaselineSystem",
+    # the baseline's AsyncRequest run inside the rank (no fork): its best case for durability
+    "baseline-inline": "resilient_ckpt.bench.baseline:BaselineInlineSystem",
+    "ours-embedded": "resilient_ckpt.bench.ours:EmbeddedSystem",
+    "ours-service": "resilient_ckpt.bench.ours:ServiceSystem",
+}
+BASELINE = "baseline"
+TIME_METRICS = ("stall_s", "durable_s", "restore_restart_s", "restore_node_loss_s")
+RSS_METRICS = ("peak_rss_save_bytes", "peak_rss_restore_bytes")
+RSS_METHOD = (
+    "VmHWM of each rank process (/proc/self/status: peak resident set incl. shared-memory and "
+    "file pages it mapped), reset via /proc/self/clear_refs before the timed save and before "
+    "the restore; max over ranks"
+)
+FIRST_ITERATION = 100
+ITERATION = 200
+_NOISE = (
+    "The pynvml package is deprecated",
+    "Transformer Engine and Apex are not installed",
+    "The TemporalAsyncCaller will be deprecated",
+    "`_get_pg_default_device` will be deprecated",
+    "Multiple backends are registered with this ProcessGroup",
+)
+
+
+# --- what systems see ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """A rank's identity and its node's store root, as a system's ``setup`` receives it."""
+
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    tmp_root: str
+    session: str = "bench"
+    replication_factor: int = 2
+    phase: str = "save"  # "save" | "restore"
+    services: Any = None  # NodeServices.info of the system's per-node services, if any
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
+
+    @property
+    def store_root(self) -> str:
+        """This node's store directory: all node-local state of a system must live below it."""
+        return node_store_root(self.tmp_root, self.node)
+
+    @property
+    def dp_group(self):
+        """The data-parallel (fully parallel save/load) group: every rank."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+
+def node_store_root(tmp_root: str, node: int) -> str:
+    return str(Path(tmp_root) / f"node{node}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What a system's optional ``start_nodes`` gets in the runner (parent) process."""
+
+    world_size: int
+    ranks_per_node: int
+    tmp_root: str
+    session: str
+    replication_factor: int
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
+
+    def store_root(self, node: int) -> str:
+        return node_store_root(self.tmp_root, node)
+
+
+class PendingSave(Protocol):
+    """Returned by ``System.save`` once the training loop may mutate its tensors again."""
+
+    def wait(self) -> None:
+        """Block until the checkpoint is stored, replicated and agreed complete by all ranks."""
+
+
+@dataclass
+class SaveHandle:
+    """A ready-made :class:`PendingSave`: ``wait`` calls ``wait_fn``. ``saved_bytes`` (optional)
+    is the tensor bytes this rank stores as its own after dedup; reported, not required."""
+
+    wait_fn: Callable[[], Any]
+    saved_bytes: Optional[int] = None
+    #: optional breakdown in seconds (e.g. {"write_s": ...}), filled by the system, reported
+    details: Dict[str, float] = field(default_factory=dict)
+
+    def wait(self) -> None:
+        self.wait_fn()
+
+
+class NodeServices(Protocol):
+    """Per-node services a system runs outside the trainer (e.g. daemons); optional.
+
+    Node loss is simulated as ``kill_node(0)`` (SIGKILL the node's services), the runner
+    wiping the node's store root, then ``start_node(0)`` (an empty replacement node).
+    """
+
+    info: Any  # picklable; every rank gets it as ``ctx.services`` (re-read before each phase)
+
+    def kill_node(self, node: int) -> None:
+        """End node ``node``'s services the way a crash would."""
+
+    def start_node(self, node: int) -> None:
+        """Start services for a replacement node ``node`` on its (now empty) store root."""
+
+    def stop(self) -> None:
+        """Stop all services; the runner removes the temporary directory afterwards."""
+
+
+class System(Protocol):
+    """One benchmarked checkpointing system; an instance lives in each rank process.
+
+    Class attributes: ``name`` (shown in reports) and ``flavour`` - the workload's mapping
+    objects it consumes: ``"ours"`` (resilient_ckpt.mapping) or ``"mcore"`` (megatron-core).
+    Optional classmethods: ``start_nodes(cluster: ClusterSpec) -> NodeServices`` (called in
+    the runner before each repetition's first phase) and
+    ``memory_estimate(bytes_per_rank, world_size) -> int`` (host bytes for the whole run;
+    configurations that do not fit in available memory are skipped with a line saying so).
+
+    The runner times the calls itself; a system only has to return at the right moment.
+    """
+
+    name: ClassVar[str]
+    flavour: ClassVar[str]
+
+    def setup(self, ctx: RankContext) -> None:
+        """Construct managers / connect to services (not timed). The process group is up."""
+
+    def save(self, state: Any, iteration: int) -> PendingSave:
+        """Start saving the sharded state dict; return when the loop may mutate ``state``'s
+        tensors. ``state`` is a fresh sharded state dict (its wrappers may be consumed)."""
+
+    def restore(self, template: Any) -> Any:
+        """Restore the latest complete checkpoint into a plain state dict shaped like
+        ``template`` (a sharded state dict whose tensors are zeros). All ranks call it."""
+
+    def teardown(self) -> None:
+        """Release resources (called after a restore phase, never after the save phase)."""
+
+
+def load_system(spec: str) -> type:
+    """Import ``module:Class``; raises ImportError/AttributeError with the reason."""
+    module, _, cls = spec.partition(":")
+    mod = importlib.import_module(module)
+    return getattr(mod, cls)
+
+
+def resolve_system(name: str) -> str:
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    if ":" in name:
+        return name
+    raise ValidationError(
+        f"unknown system {name!r}: use {', '.join(SYSTEMS)} or module:Class"
+    )
+
+
+# --- launcher --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# resilient_ckpt first: it silences torch's pynvml warning before torch is imported. The
+# baseline (megatron-core, ~3 s to import) is preloaded for every system alike, so all rank
+# processes start from the same resident pages and RSS figures compare fairly.
+_PRELOAD = ["resilient_ckpt", "torch", "torch.distributed", "numpy",
+            "resilient_ckpt.bench.workload", "resilient_ckpt.bench.baseline"]
+
+
+def _mp_context(preload: Sequence[str] = ()):
+    ctx = mp.get_context("forkserver")
+    # Only effective before the fork server starts (the first launch): heavy imports such as
+    # megatron-core (~3 s) then happen once, not in every rank of every phase.
+    ctx.set_forkserver_preload(list(dict.fromkeys(_PRELOAD + list(preload))))
+    return ctx
+
+
+def _quiet() -> None:
+    for msg in _NOISE:
+        warnings.filterwarnings("ignore", message=f".*{re.escape(msg)}")
+    import logging
+
+    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.ERROR)
+
+
+def _entry(fn, ctx: RankContext, port: int, args, result_q, hold: bool, init_pg: bool,
+           pg_timeout_s: float) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(ctx.rank),
+        WORLD_SIZE=str(ctx.world_size),
+        LOCAL_RANK=str(ctx.local_rank),
+        LOCAL_WORLD_SIZE=str(ctx.ranks_per_node),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    _quiet()
+    import torch
+    import torch.distributed as dist
+
+    # W ranks share this machine's cores: one intra-op thread each, as one rank per GPU would.
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
+                world_size=ctx.world_size, timeout=timedelta(seconds=pg_timeout_s),
+            )
+        result_q.put((ctx.rank, "ok", fn(ctx, *args)))
+    except BaseException as e:  # the parent decides; it kills every rank on any error
+        result_q.put((ctx.rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    if hold:
+        # Wait for SIGKILL: the phase ends the way a crash ends a job, with nothing cleaned up.
+        threading.Event().wait()
+    if init_pg and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp_root: str,
+    *,
+    ranks_per_node: Optional[int] = None,
+    args: Sequence[Any] = (),
+    hold: bool = False,
+    init_process_group: bool = True,
+    timeout: float = 300.0,
+    session: str = "bench",
+    replication_factor: int = 2,
+    phase: str = "save",
+    services: Any = None,
+    preload: Sequence[str] = (),
+) -> List[Any]:
+    """Run ``fn(ctx, *args)`` in ``world_size`` fresh processes; results in rank order.
+
+    With ``hold`` every rank waits after reporting and is then SIGKILLed (all of them, only
+    after all reported). Any rank error, unexpected death or timeout kills all ranks and
+    raises :class:`CheckpointingException` with the rank's traceback.
+    """
+    if world_size < 1:
+        raise ValidationError(f"world_size={world_size}: pass at least 1 rank")
+    rpn = ranks_per_node or world_size
+    ctx_mp = _mp_context(preload)
+    port = free_port()
+    q = ctx_mp.Queue()
+    procs = []
+    for r in range(world_size):
+        ctx = RankContext(r, world_size, rpn, str(tmp_root), session, replication_factor, phase,
+                          services)
+        p = ctx_mp.Process(
+            target=_entry, args=(fn, ctx, port, tuple(args), q, hold, init_process_group,
+                                 max(timeout, 60.0)),
+            # not daemonic: systems may fork writers (nvrx does); launch() always reaps them
+            daemon=False, name=f"bench-rank{r}",
+        )
+        p.start()
+        procs.append(p)
+
+    def kill_all() -> None:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=30)
+
+    results: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, payload = q.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                if dead:
+                    raise CheckpointingException(
+                        f"bench rank(s) {dead} died without a result (exit codes "
+                        f"{[procs[r].exitcode for r in dead]}); out of memory? Try smaller --sizes"
+                    )
+                if time.monotonic() > deadline:
+                    raise CheckpointingException(
+                        f"bench phase timed out after {timeout:.0f}s; ranks without a result: "
+                        f"{sorted(set(range(world_size)) - set(results))}"
+                    )
+                continue
+            if status != "ok":
+                raise CheckpointingException(f"bench rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        if hold or len(results) < world_size:
+            kill_all()
+        else:
+            for p in procs:
+                p.join(timeout=30)
+            kill_all()
+        q.close()
+    return [results[r] for r in range(world_size)]
+
+
+# --- measurements inside ranks -----------------------------------------------------------------
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kib(field_name: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM; ``ru_maxrss`` (not resettable) where /proc is missing."""
+    v = _status_kib("VmHWM")
+    return v if v is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> Optional[int]:
+    return _status_kib("VmRSS")
+
+
+def _children_peak_rss_bytes() -> int:
+    # largest waited-for child (e.g. nvrx's forked writer); not resettable, hence "info" only
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    system: str  # module:Class
+    bytes_per_rank: int
+    seed: int = 0
+
+
+def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    from .workload import Workload
+
+    cls = load_system(spec.system)
+    wl = Workload(spec.bytes_per_rank, ctx.world_size, ctx.rank, flavour=cls.flavour,
+                  seed=spec.seed, iteration=FIRST_ITERATION)
+    system = cls()
+    system.setup(ctx)
+    out: Dict[str, Any] = {}
+    for label, iteration in (("first", FIRST_ITERATION), ("steady", ITERATION)):
+        wl.advance(iteration)
+        state = wl.sharded_state_dict()
+        dist.barrier()
+        if label == "steady":
+            out["rss_reset"] = reset_peak_rss()
+            out["rss_at_start_bytes"] = current_rss_bytes()
+        t0 = time.perf_counter()
+        pending = system.save(state, iteration)
+        t1 = time.perf_counter()
+        # The loop goes on at once: a save that still reads the live tensors after returning
+        # would store this, and the bit-exact restore check would catch it.
+        wl.advance(iteration + 1)
+        pending.wait()
+        t2 = time.perf_counter()
+        out[f"{label}_stall_s"] = t1 - t0
+        out[f"{label}_durable_s"] = t2 - t0
+        out["saved_bytes"] = getattr(pending, "saved_bytes", None)
+        out["details"] = dict(getattr(pending, "details", None) or {})
+        del state, pending
+    out["peak_rss_save_bytes"] = peak_rss_bytes()
+    out["writer_child_peak_rss_bytes"] = _children_peak_rss_bytes() or None
+    return out
+
+
+def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    from .workload import Workload, layout, verify
+
+    cls = load_system(spec.system)
+    tmpl = Workload(spec.bytes_per_rank, ctx.world_size, ctx.rank, flavour=cls.flavour,
+                    seed=spec.seed, fill="zeros")
+    template = tmpl.sharded_state_dict()
+    system = cls()
+    system.setup(ctx)
+    dist.barrier()
+    rss_reset = reset_peak_rss()
+    rss_start = current_rss_bytes()
+    t0 = time.perf_counter()
+    restored = system.restore(template)
+    t1 = time.perf_counter()
+    peak = peak_rss_bytes()
+    del template, tmpl
+    problems = verify(
+        restored, layout(spec.bytes_per_rank, ctx.world_size, ctx.rank, seed=spec.seed), ITERATION
+    )
+    del restored
+    system.teardown()
+    return {"restore_s": t1 - t0, "peak_rss_bytes": peak, "rss_reset": rss_reset,
+            "rss_at_start_bytes": rss_start, "problems": problems}
+
+
+# --- one configuration -------------------------------------------------------------------------
+
+
+def _dir_bytes(root: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _median(values: List[float]) -> Optional[float]:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _max_or_none(values: List[Optional[float]]) -> Optional[float]:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
+def _metric(values: List[Optional[float]]) -> Dict[str, Any]:
+    return {"median": _median(values), "values": values}
+
+
+def lose_node(cluster: ClusterSpec, services: Optional[NodeServices], node: int) -> None:
+    """Node ``node`` dies with its memory and comes back empty."""
+    if services is not None:
+        services.kill_node(node)
+    shutil.rmtree(cluster.store_root(node), ignore_errors=True)
+    os.makedirs(cluster.store_root(node), exist_ok=True)
+    if services is not None:
+        services.start_node(node)
+
+
+def default_ranks_per_node(world_size: int) -> int:
+    """Two simulated nodes (one for a single rank): replicas must cross a node boundary."""
+    return max(1, world_size // 2)
+
+
+def run_config(
+    name: str,
+    spec_str: str,
+    cls: type,
+    bytes_per_rank: int,
+    world_size: int,
+    *,
+    reps: int,
+    ranks_per_node: int,
+    replication_factor: int = 2,
+    shm_dir: str = "/dev/shm",
+    log: Callable[[str], None] = print,
+) -> Dict[str, Any]:
+    """All repetitions of one (system, size, world size); returns the JSON record."""
+    spec = RunSpec(spec_str, bytes_per_rank)
+    gib = bytes_per_rank / (1 << 30)
+    timeout = 300.0 + 240.0 * gib * world_size
+    preload = [spec_str.partition(":")[0]]
+    per_rep: Dict[str, List[Any]] = {k: [] for k in (
+        *TIME_METRICS, *RSS_METRICS, "first_stall_s", "first_durable_s", "saved_bytes",
+        "store_bytes_per_rank", "writer_child_peak_rss_bytes", "peak_rss_restore_restart_bytes",
+        "peak_rss_restore_node_loss_bytes", "rss_at_start_save_bytes",
+        "rss_at_start_restore_bytes")}
+    errors: List[str] = []
+    rss_reset_ok = True
+    for rep in range(reps):
+        session = f"bench-{name}-{format_size(bytes_per_rank)}-w{world_size}-r{rep}"
+        root = tempfile.mkdtemp(prefix="rckpt-bench-", dir=shm_dir if os.path.isdir(shm_dir) else None)
+        cluster = ClusterSpec(world_size, ranks_per_node, root, session, replication_factor)
+        services = None
+        try:
+            for n in range(cluster.num_nodes):
+                os.makedirs(cluster.store_root(n), exist_ok=True)
+            if hasattr(cls, "start_nodes"):
+                services = cls.start_nodes(cluster)
+            common = dict(ranks_per_node=ranks_per_node, session=session,
+                          replication_factor=replication_factor, timeout=timeout,
+                          preload=preload, hold=True)
+            saves = launch(_save_phase, world_size, root, args=(spec,), phase="save",
+                           services=getattr(services, "info", None), **common)
+            per_rep["stall_s"].append(max(r["steady_stall_s"] for r in saves))
+            per_rep["durable_s"].append(max(r["steady_durable_s"] for r in saves))
+            per_rep["first_stall_s"].append(max(r["first_stall_s"] for r in saves))
+            per_rep["first_durable_s"].append(max(r["first_durable_s"] for r in saves))
+            per_rep["peak_rss_save_bytes"].append(max(r["peak_rss_save_bytes"] for r in saves))
+            per_rep["rss_at_start_save_bytes"].append(_max_or_none(
+                [r["rss_at_start_bytes"] for r in saves]))
+            sb = [r["saved_bytes"] for r in saves]
+            per_rep["saved_bytes"].append(None if None in sb else max(sb))
+            wc = [r["writer_child_peak_rss_bytes"] for r in saves if r["writer_child_peak_rss_bytes"]]
+            per_rep["writer_child_peak_rss_bytes"].append(max(wc) if wc else None)
+            per_rep["store_bytes_per_rank"].append(_dir_bytes(root) / world_size)
+            for k in sorted({k for r in saves for k in r["details"]}):
+                per_rep.setdefault(f"detail_{k}", [None] * rep).append(
+                    _max_or_none([r["details"].get(k) for r in saves]))
+            rss_reset_ok &= all(r["rss_reset"] for r in saves)
+
+            peaks, starts = [], []
+            for case, metric in (("restart", "restore_restart_s"),
+                                 ("node_loss", "restore_node_loss_s")):
+                if case == "node_loss":
+                    lose_node(cluster, services, 0)
+                res = launch(_restore_phase, world_size, root, args=(spec,), phase="restore",
+                             services=getattr(services, "info", None), **common)
+                per_rep[metric].append(max(r["restore_s"] for r in res))
+                peak = max(r["peak_rss_bytes"] for r in res)
+                per_rep[f"peak_rss_restore_{case}_bytes"].append(peak)
+                peaks.append(peak)
+                starts.append(_max_or_none([r["rss_at_start_bytes"] for r in res]))
+                rss_reset_ok &= all(r["rss_reset"] for r in res)
+                for rank, r in enumerate(res):
+                    if r["problems"]:
+                        errors.append(f"rep {rep} {case}: rank {rank} restore is not bit-exact: "
+                                      + "; ".join(r["problems"]))
+            per_rep["peak_rss_restore_bytes"].append(max(peaks))
+            per_rep["rss_at_start_restore_bytes"].append(_max_or_none(starts))
+            log(f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}/{reps}: "
+                f"stall {per_rep['stall_s'][-1]:.3f}s durable {per_rep['durable_s'][-1]:.3f}s "
+                f"restart {per_rep['restore_restart_s'][-1]:.3f}s node-loss "
+                f"{per_rep['restore_node_loss_s'][-1]:.3f}s"
+                + ("" if not errors else "  [NOT BIT-EXACT]"))
+        except Exception as e:  # one configuration failing must not lose the others' figures
+            errors.append(f"rep {rep}: {type(e).__name__}: {e}")
+            log(f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}: FAILED "
+                f"{str(e).splitlines()[0]}")
+            break
+        finally:
+            if services is not None:
+                try:
+                    services.stop()
+                except Exception as e:  # a failed stop must not hide the measurement
+                    errors.append(f"rep {rep}: stopping node services failed: {e}")
+            shutil.rmtree(root, ignore_errors=True)
+    return {
+        "system": name,
+        "spec": spec_str,
+        "bytes_per_rank": bytes_per_rank,
+        "world_size": world_size,
+        "ranks_per_node": ranks_per_node,
+        "replication_factor": replication_factor,
+        "reps": reps,
+        "expected_saved_bytes": expected_saved_bytes(bytes_per_rank, world_size),
+        "rss_reset": rss_reset_ok,
+        "metrics": {k: _metric(v) for k, v in per_rep.items()},
+        "errors": errors,
+    }
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def _sizes(text: str) -> List[int]:
+    try:
+        return [parse_size(s) for s in text.split(",") if s.strip()]
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        vals = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers (e.g. 2,4)") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 2,4")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="resilient-ckpt bench",
+        description="Benchmark resilient_ckpt against Megatron-core + nvidia-resiliency-ext "
+                    "local checkpoints on a Megatron-like workload, with the machine's limits.",
+    )
+    p.add_argument("--sizes", type=_sizes, help="bytes per rank, e.g. 64M,256M,1G,2G "
+                   "(default: that list; --quick: 64M)")
+    p.add_argument("--world-sizes", type=_ints, help="ranks, e.g. 2,4 (default 2,4; --quick: 2)")
+    p.add_argument("--reps", type=int, help="repetitions per configuration (default 3; --quick: 1)")
+    p.add_argument("--systems", default="baseline,ours-embedded,ours-service",
+                   help=f"comma-separated: {', '.join(SYSTEMS)} or module:Class")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per simulated node (default: W/2, i.e. two nodes)")
+    p.add_argument("--replication-factor", type=int, default=2)
+    p.add_argument("--quick", action="store_true",
+                   help="small and fast (< 2 min): 64M, W=2, 1 rep, small limit buffers")
+    p.add_argument("--no-limits", action="store_true", help="skip measuring the machine's limits")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: seconds vs size")
+    p.add_argument("--shm-dir", default="/dev/shm", help="where node store roots go (tmpfs)")
+    return p
+
+
+def _machine() -> Dict[str, Any]:
+    import platform
+
+    import psutil
+    import torch
+
+    info: Dict[str, Any] = {
+        "hostname": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "cuda": torch.cuda.is_available(),
+    }
+    from importlib import metadata
+
+    for dist_name in ("megatron-core", "nvidia-resiliency-ext", "resilient-ckpt", "pyzmq"):
+        try:
+            info[dist_name] = metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            info[dist_name] = None
+    return info
+
+
+def _cpu_pressure() -> Optional[str]:
+    """PSI 'some' line: share of time runnable tasks waited for a CPU (other jobs' load)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return f.readline().strip()
+    except OSError:
+        return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``resilient-ckpt bench``; returns 0 when every configuration ran and restored exactly."""
+    _quiet()
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    sizes = args.sizes or ([64 << 20] if args.quick else [s << 20 for s in (64, 256, 1024, 2048)])
+    world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
+    reps = args.reps or (1 if args.quick else 3)
+    if reps < 1 or args.replication_factor < 1:
+        raise ValidationError("--reps and --replication-factor must be at least 1")
+    from . import report
+
+    console = report.console()
+
+    def log(msg: str) -> None:
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)
+    t_start = time.monotonic()
+    systems: List[Tuple[str, str, type]] = []
+    skipped: List[Dict[str, Any]] = []
+    for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
+        spec = resolve_system(name)
+        try:
+            cls = load_system(spec)
+        except (ImportError, AttributeError) as e:
+            reason = f"{spec} is not importable ({type(e).__name__}: {e})"
+            log(f"skipping {name}: {reason}")
+            skipped.append({"system": name, "reason": reason})
+            continue
+        systems.append((name, spec, cls))
+
+    # One fork server for the whole run, with every system's module preloaded (first use wins).
+    _mp_context([spec.partition(":")[0] for _, spec, _ in systems])
+    load_before, cpu_pressure_before = os.getloadavg(), _cpu_pressure()
+    limits = None
+    if not args.no_limits:
+        from .limits import measure_limits
+
+        log("measuring the machine's limits" + (" (quick)" if args.quick else ""))
+        limits = measure_limits(quick=args.quick)
+        log(report.format_limits(limits.to_dict()))
+
+    runs: List[Dict[str, Any]] = []
+    patched: List[str] = []
+    import psutil
+
+    for w in world_sizes:
+        rpn = args.ranks_per_node or default_ranks_per_node(w)
+        for b in sizes:
+            for name, spec, cls in systems:
+                est = getattr(cls, "memory_estimate", None)
+                need = est(b, w) if est else 4 * b * w
+                avail = psutil.virtual_memory().available
+                if need > 0.9 * avail:
+                    reason = (f"needs ~{format_size(need)}B of host memory, "
+                              f"{format_size(avail)}B available")
+                    log(f"skipping {name} {format_size(b)} W={w}: {reason}")
+                    skipped.append({"system": name, "bytes_per_rank": b, "world_size": w,
+                                    "reason": reason})
+                    continue
+                patched += [p for p in getattr(cls, "patched_for_cpu", ()) if p not in patched]
+                runs.append(run_config(name, spec, cls, b, w, reps=reps, ranks_per_node=rpn,
+                                       replication_factor=args.replication_factor,
+                                       shm_dir=args.shm_dir, log=log))
+    doc = {
+        "schema": "resilient_ckpt.bench/1",
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": time.monotonic() - t_start,
+        "machine": _machine(),
+        # other work on the machine skews figures: 1/5/15-min load averages before and after
+        "loadavg": {"start": list(load_before), "end": list(os.getloadavg())},
+        "cpu_pressure": {"start": cpu_pressure_before, "end": _cpu_pressure()},
+        "config": {
+            "sizes": sizes, "world_sizes": world_sizes, "reps": reps,
+            "systems": [s[0] for s in systems], "quick": args.quick,
+            "replication_factor": args.replication_factor,
+            "ranks_per_node": args.ranks_per_node or "W/2",
+            "iterations": [FIRST_ITERATION, ITERATION],
+        },
+        "rss_method": RSS_METHOD,
+        "patched_for_cpu": patched,
+        "limits": limits.to_dict() if limits else None,
+        "skipped": skipped,
+        "runs": runs,
+    }
+    doc["comparisons"] = report.comparisons(doc)
+    report.render(doc, console)
+    if args.json:
+        report.write_json(doc, args.json)
+        log(f"wrote {args.json}")
+    if args.plot:
+        report.plot(doc, args.plot)
+        log(f"wrote {args.plot}")
+    return 1 if any(r["errors"] for r in runs) else 0
+
