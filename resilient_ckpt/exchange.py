@@ -165,8 +165,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
+#: shards at least this large move on their own, straight from the source tensor into the
+#: destination tensor; smaller ones are coalesced into buckets (per-message overhead)
+DIRECT_MIN_BYTES = 1 << 20
+
+
 def _buckets(items: Sequence[Tuple[ShardId, int]], bucket_bytes: int) -> List[List[Tuple[ShardId, int]]]:
-    """Group (shard, nbytes) in order; a shard larger than a bucket travels alone."""
+    """Group small (shard, nbytes) in order into buckets of at most ``bucket_bytes``."""
     out: List[List[Tuple[ShardId, int]]] = []
     cur: List[Tuple[ShardId, int]] = []
     size = 0
@@ -181,11 +186,35 @@ def _buckets(items: Sequence[Tuple[ShardId, int]], bucket_bytes: int) -> List[Li
     return out
 
 
-def _pack(bucket, held, dev) -> torch.Tensor:
-    if len(bucket) == 1:
-        return _as_bytes(held[bucket[0][0]]).to(dev)
-    total = sum(n for _, n in bucket)
-    buf = torch.empty(total, dtype=torch.uint8, device=dev)
+class _Scratch:
+    """Bucket buffers reused for the whole exchange: one per (role, peer) slot, allocated once
+    (fresh pages cost more than the copy), so scratch is bounded by slots x bucket size."""
+
+    def __init__(self, dev: torch.device, bucket_bytes: int):
+        self.dev = dev
+        self.bucket_bytes = bucket_bytes
+        self._bufs: Dict[Tuple[str, int], torch.Tensor] = {}
+
+    def get(self, role: str, peer: int, n: int) -> torch.Tensor:
+        buf = self._bufs.get((role, peer))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, min(self.bucket_bytes, 1 << 26)), dtype=torch.uint8, device=self.dev)
+            self._bufs[(role, peer)] = buf
+        return buf[:n]
+
+
+def _source_view(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    b = _as_bytes(t)
+    return b if b.device == dev else b.to(dev)
+
+
+def _direct_dest(dst: Optional[torch.Tensor], dev: torch.device) -> Optional[torch.Tensor]:
+    if dst is not None and dst.device == dev and dst.is_contiguous():
+        return _as_bytes(dst)
+    return None
+
+
+def _pack(bucket, held, buf: torch.Tensor) -> torch.Tensor:
     pos = 0
     for sid, n in bucket:
         buf[pos : pos + n].copy_(_as_bytes(held[sid]))
@@ -193,51 +222,72 @@ def _pack(bucket, held, dev) -> torch.Tensor:
     return buf
 
 
-def _recv_buffer(bucket, received, dev) -> Tuple[torch.Tensor, bool]:
-    """Receive straight into the destination when a bucket is one shard on the comm device."""
-    if len(bucket) == 1:
-        sid = bucket[0][0]
-        dst = received.get(sid)
-        if dst is not None and dst.device == dev and dst.is_contiguous():
-            return _as_bytes(dst), True
-    return torch.empty(sum(n for _, n in bucket), dtype=torch.uint8, device=dev), False
-
-
 def _unpack(buf: torch.Tensor, bucket, received) -> None:
     pos = 0
     for sid, n in bucket:
         dst = received.get(sid)
         if dst is not None and n:
-            _as_bytes(dst).copy_(buf[pos : pos + n])
+            src = buf[pos : pos + n]
+            if dst.is_contiguous():
+                _as_bytes(dst).copy_(src)
+            else:  # a strided destination: reinterpret the bytes, then copy element-wise
+                dst.copy_(src.clone().view(dst.dtype).view(dst.shape))
         pos += n
+
+
+def _wait_all(ops) -> None:
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
 
 
 def _run_p2p(plan, held, received, me, group, dev, bucket_bytes) -> None:
     per_pair: Dict[Tuple[int, int], List[Tuple[ShardId, int]]] = defaultdict(list)
     for t in plan.transfers:
-        per_pair[(t.src, t.dst)].append((t.shard_id, t.nbytes))
-    pair_buckets = {p: _buckets(items, bucket_bytes) for p, items in per_pair.items()}
-    rounds = max(len(b) for b in pair_buckets.values())
-    # Round k moves bucket k of every pair: at most one bucket per peer in flight (bounded
-    # scratch), all sends and receives of a round posted together (no ordering deadlock).
+        if me in (t.src, t.dst):
+            per_pair[(t.src, t.dst)].append((t.shard_id, t.nbytes))
+    # 1. Large shards: every one of this rank's sends and receives posted in a single batch,
+    #    in plan order per pair (gloo/NCCL match them in posting order): fully pipelined, no
+    #    scratch, no copies on the comm device.
+    ops, staged = [], []
+    for (src, dst), items in sorted(per_pair.items()):
+        peer = collectives.global_rank(group, dst if src == me else src)
+        for sid, n in items:
+            if n < DIRECT_MIN_BYTES:
+                continue
+            if src == me:
+                ops.append(dist.P2POp(dist.isend, _source_view(held[sid], dev), peer, group))
+            else:
+                buf = _direct_dest(received.get(sid), dev)
+                if buf is None:
+                    buf = torch.empty(n, dtype=torch.uint8, device=dev)
+                    staged.append((buf, [(sid, n)]))
+                ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+    _wait_all(ops)
+    for buf, bucket in staged:
+        _unpack(buf, bucket, received)
+    # 2. Small shards: bucket k of every pair in round k, through reused scratch buffers.
+    scratch = _Scratch(dev, bucket_bytes)
+    pair_buckets = {
+        p: _buckets([(sid, n) for sid, n in items if n < DIRECT_MIN_BYTES], bucket_bytes)
+        for p, items in per_pair.items()
+    }
+    rounds = max((len(b) for b in pair_buckets.values()), default=0)
     for k in range(rounds):
-        ops = []
-        to_unpack = []
+        ops, to_unpack = [], []
         for (src, dst), buckets in sorted(pair_buckets.items()):
-            if k >= len(buckets) or me not in (src, dst):
+            if k >= len(buckets):
                 continue
             bucket = buckets[k]
+            total = sum(n for _, n in bucket)
             if src == me:
-                buf = _pack(bucket, held, dev)
+                buf = _pack(bucket, held, scratch.get("send", dst, total))
                 ops.append(dist.P2POp(dist.isend, buf, collectives.global_rank(group, dst), group))
             else:
-                buf, direct = _recv_buffer(bucket, received, dev)
+                buf = scratch.get("recv", src, total)
                 ops.append(dist.P2POp(dist.irecv, buf, collectives.global_rank(group, src), group))
-                if not direct:
-                    to_unpack.append((buf, bucket))
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+                to_unpack.append((buf, bucket))
+        _wait_all(ops)
         for buf, bucket in to_unpack:
             _unpack(buf, bucket, received)
 
@@ -249,13 +299,28 @@ def _run_broadcast(plan, held, received, me, group, dev, bucket_bytes) -> None:
         if (t.src, t.shard_id) not in seen:
             seen.add((t.src, t.shard_id))
             per_src[t.src].append((t.shard_id, t.nbytes))
+    scratch = _Scratch(dev, bucket_bytes)
     for src in sorted(per_src):
-        for bucket in _buckets(per_src[src], bucket_bytes):
+        root = collectives.global_rank(group, src)
+        items = per_src[src]
+        for sid, n in items:
+            if n < DIRECT_MIN_BYTES:
+                continue
             if src == me:
-                buf = _pack(bucket, held, dev)
-                direct = True
+                dist.broadcast(_source_view(held[sid], dev), root, group=group)
+                continue
+            buf = _direct_dest(received.get(sid), dev)
+            if buf is None:
+                buf = scratch.get("recv", -1, n)
+                dist.broadcast(buf, root, group=group)
+                _unpack(buf, [(sid, n)], received)
             else:
-                buf, direct = _recv_buffer(bucket, received, dev)
-            dist.broadcast(buf, collectives.global_rank(group, src), group=group)
-            if src != me and not direct:
+                dist.broadcast(buf, root, group=group)
+        for bucket in _buckets([(sid, n) for sid, n in items if n < DIRECT_MIN_BYTES], bucket_bytes):
+            total = sum(n for _, n in bucket)
+            if src == me:
+                dist.broadcast(_pack(bucket, held, scratch.get("send", -1, total)), root, group=group)
+            else:
+                buf = scratch.get("recv", -1, total)
+                dist.broadcast(buf, root, group=group)
                 _unpack(buf, bucket, received)

@@ -53,6 +53,7 @@ from .restore import Holdings, Retrieved, gather_holdings, retrieve
 from .staging import SegmentPrefetcher, Stager, StagingHandle
 from .store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore, Segment, plan_layout
 from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+from .nested import map_leaves
 from .validation import StrictHandling
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,8 @@ class CheckpointManager:
         placement: ``"ring"`` (any world size) or ``"clique"`` (nvidia-resiliency-ext parity).
         memory_budget: bytes this node's store may use for the session (None: filesystem size).
         timeout_s: deadline of checkpoint collectives and transfers.
-        exchange_algo: fully-parallel load exchange, ``"broadcast"`` or ``"p2p"``.
+        exchange_algo: fully-parallel load exchange: ``"p2p"`` (default: each shard goes only
+            to the ranks that need it, all pairs at once) or ``"broadcast"``.
         fault_hook: called with a point name from FAULT_POINTS (tests, chaos drills).
         replication_backend: backend of the checkpoint group. Default ``"gloo"``: checkpoint
             bytes live in host memory, and gloo moves them from there without two PCIe copies
@@ -174,7 +176,7 @@ class CheckpointManager:
         ranks_per_node: Optional[int] = None,
         memory_budget: Optional[int] = None,
         timeout_s: float = 120.0,
-        exchange_algo: str = "broadcast",
+        exchange_algo: str = "p2p",
         fault_hook: Optional[Callable[[str], None]] = None,
         replication_backend: str = "gloo",
         session: Optional[str] = None,
@@ -534,10 +536,12 @@ class CheckpointManager:
         iteration)``, or None when no complete local checkpoint exists on this job's ranks.
 
         ``template``: the sharded state dict to fill (as for ``to_state_dict``); default: the
-        checkpoint's own structure.
+        checkpoint's own structure. Template ShardedTensors that carry ``data`` of the stored
+        dtype and shape are filled in place (the model's own tensors, typically): restoring then
+        allocates nothing and copies each byte once, straight from the node's shared memory.
         """
         t0 = time.perf_counter()
-        retrieved, iteration = self._retrieve_latest()
+        retrieved, iteration = self._retrieve_latest(borrow=True)
         if retrieved is None:
             return None
         tasd = self._decode(retrieved, iteration)
@@ -548,7 +552,14 @@ class CheckpointManager:
             exchange_algo=self.exchange_algo,
             parallelization_group=self.parallelization_group,
             strict=strict,
+            load_into_template=True,
         )
+        if retrieved.borrowed:
+            # Views of the store segment must not escape: it is recycled by later saves.
+            state = map_leaves(
+                lambda v: v.clone() if isinstance(v, torch.Tensor) and retrieved.owns(v) else v, state
+            )
+        del tasd, retrieved
         m = self.last_load_metrics
         m.to_state_dict_s = time.perf_counter() - t1
         m.total_s = time.perf_counter() - t0
@@ -558,7 +569,7 @@ class CheckpointManager:
         )
         return state, iteration
 
-    def _retrieve_latest(self) -> Tuple[Optional[Retrieved], int]:
+    def _retrieve_latest(self, borrow: bool = False) -> Tuple[Optional[Retrieved], int]:
         self.wait_for_saves()
         group = self._ckpt_group()
         holdings = gather_holdings(self.store, group, self.world_size)
@@ -587,7 +598,7 @@ class CheckpointManager:
             try:
                 retrieved = retrieve(
                     self.store, holdings, iteration, group, self._transport, self.rank,
-                    self.world_size,
+                    self.world_size, borrow=borrow,
                 )
                 break
             except (CorruptCheckpointError, NoReplicaError) as e:

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from . import checksum, collectives
 from .errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError, StoreError
-from .hostmem import alloc_host
 from .replication.placement import Fetch, plan_retrieval
 from .replication.transport import Incoming, Outgoing, P2PTransport
 from .store import CheckpointHeader, CheckpointId, CheckpointStore
@@ -126,6 +125,17 @@ class Retrieved:
     bytes_read: int
     attempts: int
     failed_copies: List[Tuple[int, int]] = field(default_factory=list)
+    #: tensors are read-only views of the node store's segment: copy what you keep
+    borrowed: bool = False
+    #: the buffer the tensors view (a store mapping when ``borrowed``)
+    arena: Optional[torch.Tensor] = None
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Does ``t`` view this retrieval's borrowed buffer (and so must not escape)?"""
+        if not self.borrowed or self.arena is None or not self.arena.numel():
+            return False
+        base = self.arena.data_ptr()
+        return t.device.type == "cpu" and base <= t.untyped_storage().data_ptr() < base + self.arena.numel()
 
 
 def retrieve(
@@ -136,8 +146,12 @@ def retrieve(
     transport: Optional[P2PTransport],
     me: int,
     world_size: int,
+    borrow: bool = False,
 ) -> Retrieved:
-    """Bring this rank's checkpoint of ``iteration`` into private memory, verified.
+    """Bring this rank's checkpoint of ``iteration`` into memory, verified.
+
+    ``borrow``: a copy in this node's store is returned as read-only views of its segment
+    (zero copies, no new pages; the caller copies what it keeps), else as private memory.
 
     Local-first, then the least-loaded remote holder; copies failing their checksum are
     excluded and the plan is redone on every rank together.
@@ -152,7 +166,7 @@ def retrieve(
     for attempt in range(1, MAX_ATTEMPTS + 1):
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
-        result, failures = _execute(store, holdings, iteration, plan, transport, me)
+        result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow)
         if result is not None and done is None:
             result.attempts = attempt
             done = result
@@ -192,7 +206,7 @@ def retrieve(
     return done
 
 
-def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me):
+def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow):
     """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw)."""
     mine: Optional[Fetch] = None
     outgoing: List[Outgoing] = []
@@ -203,7 +217,7 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
 
     def _alloc(header: bytes, nbytes: int) -> torch.Tensor:
         remote["header"] = header
-        remote["arena"] = alloc_host(nbytes)
+        remote["arena"] = torch.empty(nbytes, dtype=torch.uint8)
         return remote["arena"]  # type: ignore[return-value]
 
     for f in plan:
@@ -236,8 +250,10 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
         return None, failures
     cid = CheckpointId(iteration, mine.owner, store.session)
     try:
+        borrowed = False
         if holdings.node_of(mine.source) == holdings.node_of(me):
-            header, arena, nread = _read_local(store, cid)
+            header, arena, nread = _read_local(store, cid, borrow)
+            borrowed = borrow
             source = "local" if mine.source == me else "node"
         else:
             raw = remote.get("header", b"")
@@ -262,7 +278,7 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
     tensors = [
         arena[l.offset : l.offset + l.nbytes].view(l.torch_dtype).view(l.shape) for l in header.tensors
     ]
-    return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1), failures
+    return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1, borrowed=borrowed, arena=arena), failures
 
 
 def _map_readonly(reader):
@@ -271,7 +287,7 @@ def _map_readonly(reader):
         warnings.simplefilter("ignore", UserWarning)
         if reader.header.data_nbytes == 0:
             return _NullMap(), torch.empty(0, dtype=torch.uint8)
-        return reader.map()
+        return reader.map(populate=True)
 
 
 class _NullMap:
@@ -279,10 +295,15 @@ class _NullMap:
         pass
 
 
-def _read_local(store: CheckpointStore, cid: CheckpointId):
+def _read_local(store: CheckpointStore, cid: CheckpointId, borrow: bool):
+    """The node store's copy: a read-only view of its segment (``borrow``: nothing is copied
+    or allocated here; the caller copies what it keeps), or a private copy."""
     reader = store.open(cid)
     n = reader.header.data_nbytes
-    arena = alloc_host(n)
+    if borrow:
+        _m, arena = _map_readonly(reader)
+        return reader.header, arena, n
+    arena = torch.empty(n, dtype=torch.uint8)
     if n:
         reader.read_range(0, checksum.byte_view(arena))
     return reader.header, arena, n

@@ -399,8 +399,15 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         parallelization_group: Optional[dist.ProcessGroup] = None,
         strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
         return_mismatch_keys: bool = False,
+        *,
+        load_into_template: bool = False,
     ):
         """Fill ``sharded_state_dict`` (the template) with this checkpoint's data.
+
+        ``load_into_template`` (our extension): where a template ShardedTensor has ``data`` of
+        the stored dtype and shape, the bytes are written into it in place (received shards
+        arrive there directly) and the result holds that tensor — no new allocation, which on
+        restore is most of the cost (fresh pages), and the model is loaded as a side effect.
 
         With ``fully_parallel``, shards this rank did not save come from the ranks of
         ``parallelization_group`` that did. One metadata all-gather (over the world when
@@ -522,8 +529,17 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         obj_data = self._exchange_objects(members, held_objects, group, n, me, global_ckpt_keys)
 
         load_device = self._load_device()  # once: it walks the state dict
+        targets: Dict[Any, torch.Tensor] = {}
+        if load_into_template:
+            for st in template_shards:
+                d = st.data
+                if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
+                    targets.setdefault(st.shard_id, d)
 
         def allocate(sid, dtype, shape):
+            t = targets.get(sid)
+            if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(shape):
+                return t
             return torch.empty(shape, dtype=dtype, device=load_device)
 
         received = (
@@ -537,7 +553,12 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             if isinstance(v, ShardedTensor):
                 if v.key in mine_unexpected:
                     return _DROP
-                return loaded[v.shard_id]
+                t = loaded[v.shard_id]
+                dst = targets.get(v.shard_id)
+                if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
+                    dst.copy_(t)
+                    return dst
+                return t
             if isinstance(v, ShardedObject):
                 if v.key in mine_unexpected:
                     return _DROP

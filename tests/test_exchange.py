@@ -132,15 +132,14 @@ def _exchange_rank(ctx, algo):
     plan, absent = exchange.plan_exchange(collectives.all_gather_msgpack(local))
     assert not absent
     scratch = []
-    orig_recv = exchange._recv_buffer
+    orig_get = exchange._Scratch.get
 
-    def recording_recv(bucket, received, dev):
-        buf, direct = orig_recv(bucket, received, dev)
-        if not direct:
-            scratch.append(buf.numel())
-        return buf, direct
+    def recording_get(self, role, peer, n):
+        buf = orig_get(self, role, peer, n)
+        scratch.append(self._bufs[(role, peer)].numel())
+        return buf
 
-    exchange._recv_buffer = recording_recv
+    exchange._Scratch.get = recording_get
     largest = max(_tensor(i).numel() * _tensor(i).element_size() for i in shards)
     results = []
     for bucket_bytes in (16, exchange.DEFAULT_BUCKET_BYTES):

@@ -139,7 +139,9 @@ def test_is_a_tensor_aware_state_dict_with_megatrons_defaults():
     assert fs["algo"].default == "fully_parallel" and fs["parallelization_group"].default is None
     assert fs["cached_metadata"].default is None
     ts = inspect.signature(TASD.to_state_dict).parameters
-    assert [(n, p.default) for n, p in ts.items() if n != "self" and n != "sharded_state_dict"] == [
+    # Megatron-core's parameters, in order; our extensions are keyword-only after them.
+    assert [(n, p.default) for n, p in ts.items()
+            if n not in ("self", "sharded_state_dict") and p.kind != p.KEYWORD_ONLY] == [
         ("algo", "atomic"), ("exchange_algo", "broadcast"), ("validate_access_integrity", True),
         ("parallelization_group", None), ("strict", StrictHandling.ASSUME_OK_UNEXPECTED),
         ("return_mismatch_keys", False)]

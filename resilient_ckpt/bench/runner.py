@@ -4,8 +4,9 @@ One configuration = (system, bytes per rank B, world size W). Each repetition:
 
 1. **save phase**: W fresh rank processes (gloo group, ``ranks_per_node`` ranks per simulated
    node, one store directory per node under a temporary directory on ``/dev/shm``) build the
-   workload, ``setup`` the system, save once to warm caches (iteration 100), advance, then
-   save iteration 200 - timed: *stall* = the ``save`` call (the loop may mutate its tensors
+   workload, ``setup`` the system, save ``--warmup-saves`` times (default 3, iterations 100,
+   110, 120: the steady state a real job reaches after a few saves), advance, then save
+   iteration 200 - timed: *stall* = the ``save`` call (the loop may mutate its tensors
    when it returns, and the runner does so at once), *durable* = until ``wait()`` on the
    returned handle returns (stored + replicated + agreed complete on all ranks). The ranks
    then get SIGKILL, no teardown: a crash.
@@ -422,6 +423,9 @@ class RunSpec:
     system: str  # module:Class
     bytes_per_rank: int
     seed: int = 0
+    #: saves before the timed one: a real job saves hundreds of times, so what matters is
+    #: the steady state (buffers and pages reused), for every system alike
+    warmup_saves: int = 3
 
 
 def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
@@ -435,7 +439,10 @@ def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     system = cls()
     system.setup(ctx)
     out: Dict[str, Any] = {}
-    for label, iteration in (("first", FIRST_ITERATION), ("steady", ITERATION)):
+    schedule = [("first", FIRST_ITERATION)]
+    schedule += [("warmup", FIRST_ITERATION + 10 * k) for k in range(1, spec.warmup_saves)]
+    schedule.append(("steady", ITERATION))
+    for label, iteration in schedule:
         wl.advance(iteration)
         state = wl.sharded_state_dict()
         dist.barrier()
@@ -450,8 +457,9 @@ def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
         wl.advance(iteration + 1)
         pending.wait()
         t2 = time.perf_counter()
-        out[f"{label}_stall_s"] = t1 - t0
-        out[f"{label}_durable_s"] = t2 - t0
+        if label != "warmup":
+            out[f"{label}_stall_s"] = t1 - t0
+            out[f"{label}_durable_s"] = t2 - t0
         out["saved_bytes"] = getattr(pending, "saved_bytes", None)
         out["details"] = dict(getattr(pending, "details", None) or {})
         del state, pending
@@ -543,9 +551,10 @@ def run_config(
     replication_factor: int = 2,
     shm_dir: str = "/dev/shm",
     log: Callable[[str], None] = print,
+    warmup_saves: int = 3,
 ) -> Dict[str, Any]:
     """All repetitions of one (system, size, world size); returns the JSON record."""
-    spec = RunSpec(spec_str, bytes_per_rank)
+    spec = RunSpec(spec_str, bytes_per_rank, warmup_saves=warmup_saves)
     gib = bytes_per_rank / (1 << 30)
     timeout = 300.0 + 240.0 * gib * world_size
     preload = [spec_str.partition(":")[0]]
@@ -675,6 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per simulated node (default: W/2, i.e. two nodes)")
     p.add_argument("--replication-factor", type=int, default=2)
+    p.add_argument("--warmup-saves", type=int, default=3,
+                   help="saves before the timed one, identical for every system (default 3: "
+                        "steady state once retention recycles buffers)")
     p.add_argument("--quick", action="store_true",
                    help="small and fast (< 2 min): 64M, W=2, 1 rep, small limit buffers")
     p.add_argument("--no-limits", action="store_true", help="skip measuring the machine's limits")
@@ -779,7 +791,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 patched += [p for p in getattr(cls, "patched_for_cpu", ()) if p not in patched]
                 runs.append(run_config(name, spec, cls, b, w, reps=reps, ranks_per_node=rpn,
                                        replication_factor=args.replication_factor,
-                                       shm_dir=args.shm_dir, log=log))
+                                       shm_dir=args.shm_dir, log=log,
+                                       warmup_saves=args.warmup_saves))
     doc = {
         "schema": "resilient_ckpt.bench/1",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -793,7 +806,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "systems": [s[0] for s in systems], "quick": args.quick,
             "replication_factor": args.replication_factor,
             "ranks_per_node": args.ranks_per_node or "W/2",
-            "iterations": [FIRST_ITERATION, ITERATION],
+            "warmup_saves": args.warmup_saves,
+            "timed_iteration": ITERATION,
         },
         "rss_method": RSS_METHOD,
         "patched_for_cpu": patched,
