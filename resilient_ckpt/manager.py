@@ -258,6 +258,7 @@ class CheckpointManager:
         self._seq += 1
         self._refresh_distribution(seq)
         segment: Optional[Segment] = None
+        staging: Optional[StagingHandle] = None
         try:
             if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
                 # Built here so a rank whose state function raises still queues its (failed)
@@ -277,17 +278,23 @@ class CheckpointManager:
                 self._distribution = dist_ or self._distribution
             self._check_iteration(iteration)
             tensors = list(tasd.tensors)
-            # The hollow form first: if the common state cannot be encoded, nothing was staged.
+            layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
+            segment = self._prefetcher.take(total)
+            self.store.claim(segment, iteration, self.rank)
+            # Copies start first; the hollow form (metadata + common state) is encoded while
+            # they run (the copy thread releases the GIL), off the stall's critical path.
+            staging = self._stager.stage(tensors, segment, layouts)
             popped = tasd.pop_tensors()
             try:
                 meta = tasd.to_bytes()
             finally:
                 tasd.insert_tensors(popped)
-            layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
-            segment = self._prefetcher.take(total)
-            self.store.claim(segment, iteration, self.rank)
-            staging = self._stager.stage(tensors, segment, layouts)
         except BaseException as e:
+            if staging is not None:
+                try:
+                    staging.wait()  # the segment is in use until its copies finished
+                except Exception:
+                    pass
             if segment is not None:
                 self.store.release(segment)
             self._submit_failed(iteration, seq, group, e)
