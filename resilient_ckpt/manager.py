@@ -161,6 +161,13 @@ class CheckpointManager:
             and without sharing NCCL resources with training collectives running on the main
             thread at the same time. ``"nccl"`` routes them through device bounce buffers.
         session: alias of ``session_id``.
+        persistent_dir: a directory (shared file system) for the persistent tier: the newest
+            complete in-memory iteration is flushed there as a standard
+            torch.distributed.checkpoint (from the store, in the background), and
+            ``load_local`` falls back to it, on every rank together, when memory holds no
+            complete iteration (or an older one).
+        flush_every: flush every this many complete saves (0: only on demand or SIGTERM).
+        flush_on_sigterm: flush the newest complete iteration when SIGTERM arrives.
     """
 
     def __init__(
@@ -180,6 +187,9 @@ class CheckpointManager:
         fault_hook: Optional[Callable[[str], None]] = None,
         replication_backend: str = "gloo",
         session: Optional[str] = None,
+        persistent_dir: Optional[str] = None,
+        flush_every: int = 0,
+        flush_on_sigterm: bool = False,
     ):
         session_id = session_id or session or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
         if keep_last < 1:
@@ -227,17 +237,42 @@ class CheckpointManager:
         self.latest_iteration = -1  # nvidia-resiliency-ext attribute name
         self.last_save_metrics: Optional[SaveMetrics] = None
         self.last_load_metrics: Optional[LoadMetrics] = None
+        self._persistent_args = (persistent_dir, flush_every, flush_on_sigterm)
+        self._tier = None
 
     # ---- groups ------------------------------------------------------------------------------
 
     def _ckpt_group(self):
         """Created on first use (collective: every rank saves/loads together)."""
+        self._persistent_tier()
         if self._group is None and dist.is_initialized() and self.world_size > 1:
             self._group = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
             self._transport = P2PTransport(self._group, timeout=self.timeout_s)
             if self._replicator is None:
                 self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)
         return self._group
+
+    def _persistent_tier(self):
+        """The persistent tier, built on first use (collective: it creates its own group)."""
+        directory, every, on_sigterm = self._persistent_args
+        if self._tier is None and directory is not None:
+            from .persistent import PersistentTier
+
+            self._tier = PersistentTier(
+                directory, every_n_saves=every, session=self.session_id, keep_last=self.keep_last
+            )
+            if on_sigterm:
+                self._tier.install_sigterm_handler()
+        return self._tier
+
+    def flush(self, iteration: Optional[int] = None):
+        """Write the newest complete in-memory iteration (or ``iteration``) to the persistent
+        tier in the background (collective); returns a handle with ``wait()``."""
+        tier = self._persistent_tier()
+        if tier is None:
+            raise ValidationError("flush() needs CheckpointManager(persistent_dir=...)")
+        self.wait_for_saves()
+        return tier.flush(self.store, iteration)
 
     # ---- save ------------------------------------------------------------------------------------
 
@@ -460,6 +495,13 @@ class CheckpointManager:
                 f"{self._complete[-1] if self._complete else 'none'} stays loadable"
             ) from error
         self._complete.append(job.iteration)
+        if self._tier is not None:
+            # Every rank reaches this at the same save (after the agreement), so the tier's
+            # collective flush rounds pair up.
+            try:
+                self._tier.maybe_flush(self.store, job.iteration)
+            except Exception as e:
+                logger.warning("persistent flush after iteration %d not started: %s", job.iteration, e)
         try:
             self._retire()
         except OSError as e:  # the save itself is complete; retiring is retried next time
@@ -492,6 +534,9 @@ class CheckpointManager:
         kept = sorted(set(self._complete))[-self.keep_last :]
         self._complete = kept
         threshold = kept[0]
+        if self._tier is not None:
+            # A flush reading an older iteration from the store keeps it alive until done.
+            threshold = min([threshold, *self._tier.pinned_iterations()])
         doomed = [c for c in self.store.list() if c.iteration < threshold]
         for cid in doomed:
             self.store.discard(cid)
@@ -546,8 +591,16 @@ class CheckpointManager:
         checkpoint's own structure. Template ShardedTensors that carry ``data`` of the stored
         dtype and shape are filled in place (the model's own tensors, typically): restoring then
         allocates nothing and copies each byte once, straight from the node's shared memory.
+        With ``persistent_dir``, every rank together takes the persistent tier's newest
+        checkpoint instead when memory holds no complete iteration or an older one
+        (``last_load_metrics.source == "persistent"``).
         """
         t0 = time.perf_counter()
+        tier = self._persistent_tier()
+        if tier is not None:
+            out = self._maybe_load_persistent(tier, template, t0)
+            if out is not None:
+                return out
         retrieved, iteration = self._retrieve_latest(borrow=True)
         if retrieved is None:
             return None
@@ -575,6 +628,35 @@ class CheckpointManager:
             self.rank, iteration, m.source, m.source_rank, m.total_s,
         )
         return state, iteration
+
+    def _maybe_load_persistent(self, tier, template, t0: float) -> Optional[Tuple[Any, int]]:
+        """Load from the persistent tier if it is newer than memory (decided collectively)."""
+        in_memory = self.find_latest()
+        durable = tier.agreed_latest()
+        if durable is None or durable.iteration <= in_memory:
+            return None
+        if in_memory < 0:
+            logger.warning(
+                "no complete in-memory checkpoint; restoring iteration %d from the persistent tier %s",
+                durable.iteration, tier.directory,
+            )
+        out = tier.load(template, self.parallelization_group)
+        if out is None:
+            return None
+        iteration = out[1]
+        self._drop_abandoned(newer_than=iteration)
+        self._last_saved = iteration
+        self.latest_iteration = iteration
+        report = tier.last_load
+        self.last_load_metrics = LoadMetrics(
+            iteration=iteration,
+            source="persistent",
+            source_rank=self.rank,
+            total_s=time.perf_counter() - t0,
+            bytes_read=getattr(report, "bytes_read", 0) if report is not None else 0,
+            attempts=1,
+        )
+        return out
 
     def _retrieve_latest(self, borrow: bool = False) -> Tuple[Optional[Retrieved], int]:
         self.wait_for_saves()
@@ -720,6 +802,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish queued saves and release threads and the spare segment (store files stay)."""
         self.wait_for_saves()
+        if self._tier is not None:
+            self._tier.close()
         self._worker.shutdown(wait=True)
         self._stager.shutdown()
         self._prefetcher.close()

@@ -495,6 +495,11 @@ class PersistentTier:
         found = self.list_complete()
         return found[-1] if found else None
 
+    def agreed_latest(self) -> Optional[DurableCheckpoint]:
+        """The newest complete durable checkpoint of this session, the same on every rank
+        (collective over the tier's group)."""
+        return self._agreed_latest()
+
     def _agreed_latest(self) -> Optional[DurableCheckpoint]:
         """The coordinator's listing, on every rank (collective)."""
         mine = None
