@@ -9,6 +9,9 @@ manager saves and applies a restored one back, so a user never sees a ShardedTen
   replicated mesh dimensions become the replica id;
 - optimizer state is keyed by parameter *name* (stable across restarts, unlike torch's
   integer ids), its tensors sharded like their parameter;
+- shard keys are the dotted paths torch.distributed.checkpoint gives the same nested dict
+  (``model.<param>``, ``optimizer.state.<param>.<state>``), so a flushed checkpoint loads with
+  plain ``dcp.load({"model": model.state_dict()}, ...)``;
 - per-rank state (torch/CUDA/numpy/python RNG states, the user's ``extra`` such as a
   dataloader position) is a ShardedObject per rank; scheduler state and optimizer
   hyper-parameters are common state.
@@ -134,7 +137,7 @@ class TrainState:
         world = dist.get_world_size() if dist.is_initialized() else 1
         out: Dict[str, Any] = {
             "model": {
-                name: to_sharded_tensor(f"model/{name}", t, dp_rank)
+                name: to_sharded_tensor(f"model.{name}", t, dp_rank)
                 for name, t in self.model.state_dict().items()
                 if isinstance(t, torch.Tensor)
             }
@@ -156,7 +159,7 @@ class TrainState:
         for idx, values in sd["state"].items():
             pname = names[idx]
             state[pname] = {
-                k: to_sharded_tensor(f"optimizer/{pname}/{k}", v, dp_rank) if isinstance(v, torch.Tensor) else v
+                k: to_sharded_tensor(f"optimizer.state.{pname}.{k}", v, dp_rank) if isinstance(v, torch.Tensor) else v
                 for k, v in values.items()
             }
         groups = []

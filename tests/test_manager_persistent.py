@@ -66,3 +66,28 @@ def test_memory_wins_when_it_is_as_new_as_the_persistent_tier(tmp_root):
     run_ranks(_save, 2, tmp_root, ranks_per_node=1, args=(durable,), timeout=120)
     out = run_ranks(_load, 2, tmp_root, ranks_per_node=1, args=(durable,), timeout=120)
     assert [(o[0], o[1], o[4]) for o in out] == [(30, True, "local"), (30, True, "local")]
+
+
+def test_train_state_flush_loads_with_plain_torch_dcp(tmp_path):
+    """A user without resilient_ckpt reads the flushed model with torch's own dcp.load."""
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_ckpt import CheckpointManager, TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    m = CheckpointManager("plain", store_root=str(tmp_path / "store"),
+                          persistent_dir=str(tmp_path / "durable"))
+    m.save_local(TrainState(model, opt).sharded_state_dict(), 7).wait()
+    m.flush().wait()
+    m.close()
+    (ckpt,) = [p for p in (tmp_path / "durable").iterdir() if p.name.startswith("iter_")]
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    target = {"model": fresh.state_dict()}
+    dcp.load(target, checkpoint_id=str(ckpt))
+    for name, t in model.state_dict().items():
+        assert torch.equal(target["model"][name], t), name
