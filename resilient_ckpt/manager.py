@@ -605,6 +605,11 @@ class CheckpointManager:
         if retrieved is None:
             return None
         tasd = self._decode(retrieved, iteration)
+        # Replicas of lost ranks that this rank verified: it serves their shards below.
+        extra = {}
+        for hdr, views in retrieved.serving.values():
+            replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
+            extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
         t1 = time.perf_counter()
         state = tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
@@ -613,13 +618,19 @@ class CheckpointManager:
             parallelization_group=self.parallelization_group,
             strict=strict,
             load_into_template=True,
+            extra_held=extra,
         )
-        if retrieved.borrowed:
-            # Views of the store segment must not escape: it is recycled by later saves.
+        borrowed = retrieved.borrowed_storages()
+        if borrowed:
+            # Views of store segments must not escape: they are recycled by later saves.
             state = map_leaves(
-                lambda v: v.clone() if isinstance(v, torch.Tensor) and retrieved.owns(v) else v, state
+                lambda v: v.clone()
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                and v.untyped_storage().data_ptr() in borrowed
+                else v,
+                state,
             )
-        del tasd, retrieved
+        del tasd, retrieved, extra
         m = self.last_load_metrics
         m.to_state_dict_s = time.perf_counter() - t1
         m.total_s = time.perf_counter() - t0
@@ -779,8 +790,12 @@ class CheckpointManager:
         local: Optional[BaseException] = None
         try:
             tasd = MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
-            tasd.insert_tensors(retrieved.tensors)
-            _restore_devices(tasd)
+            if retrieved.served_by is not None:
+                # Lost node: the holder of the replica serves this rank's shards in the exchange.
+                tasd = tasd.holding_nothing()
+            else:
+                tasd.insert_tensors(retrieved.tensors)
+                _restore_devices(tasd)
         except Exception as e:
             local = e
         mine = "" if local is None else f"{type(local).__name__}: {local}"

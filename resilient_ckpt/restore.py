@@ -129,13 +129,21 @@ class Retrieved:
     borrowed: bool = False
     #: the buffer the tensors view (a store mapping when ``borrowed``)
     arena: Optional[torch.Tensor] = None
+    #: borrow mode, this rank's data is on another node: that rank serves its shards during
+    #: the load exchange (only the header came here); ``tensors`` is empty
+    served_by: Optional[int] = None
+    #: borrow mode: owner -> (header, verified read-only views) of replicas this rank serves
+    serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]] = field(default_factory=dict)
 
-    def owns(self, t: torch.Tensor) -> bool:
-        """Does ``t`` view this retrieval's borrowed buffer (and so must not escape)?"""
-        if not self.borrowed or self.arena is None or not self.arena.numel():
-            return False
-        base = self.arena.data_ptr()
-        return t.device.type == "cpu" and base <= t.untyped_storage().data_ptr() < base + self.arena.numel()
+    def borrowed_storages(self) -> Set[int]:
+        """Storage addresses of the store mappings this retrieval's tensors view: tensors on
+        them must not escape a load (the segments are recycled by later saves)."""
+        out: Set[int] = set()
+        if self.borrowed and self.arena is not None and self.arena.numel():
+            out.add(self.arena.untyped_storage().data_ptr())
+        for _, views in self.serving.values():
+            out.update(v.untyped_storage().data_ptr() for v in views[:1])
+        return out
 
 
 def retrieve(
@@ -152,6 +160,10 @@ def retrieve(
 
     ``borrow``: a copy in this node's store is returned as read-only views of its segment
     (zero copies, no new pages; the caller copies what it keeps), else as private memory.
+    In borrow mode a rank whose data lives only on other nodes receives just the header; the
+    remote holder verifies its copy and serves the shards in the load exchange
+    (``Retrieved.served_by`` / ``Retrieved.serving``), so they travel once, straight into the
+    receiver's tensors.
 
     Local-first, then the least-loaded remote holder; copies failing their checksum are
     excluded and the plan is redone on every rank together.
@@ -163,10 +175,11 @@ def retrieve(
     done: Optional[Retrieved] = None
     failed_log: List[Tuple[int, int]] = []
     pending = set(range(world_size))
+    serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]] = {}
     for attempt in range(1, MAX_ATTEMPTS + 1):
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
-        result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow)
+        result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow, serving)
         if result is not None and done is None:
             result.attempts = attempt
             done = result
@@ -202,12 +215,16 @@ def retrieve(
         )
     assert done is not None
     done.failed_copies = failed_log
+    done.serving = serving
     done.seconds = time.perf_counter() - t0
     return done
 
 
-def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow):
-    """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw)."""
+def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow, serving):
+    """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw).
+
+    ``serving`` (borrow mode) collects the replicas this rank verified and will serve.
+    """
     mine: Optional[Fetch] = None
     outgoing: List[Outgoing] = []
     incoming: List[Incoming] = []
@@ -230,9 +247,21 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
             cid = CheckpointId(iteration, f.owner, store.session)
             try:
                 reader = store.open(cid)
+                raw = store.header_path(cid).read_bytes()
                 m, buf = _map_readonly(reader)
-                maps.append(m)
-                outgoing.append(Outgoing(f.receiver, store.header_path(cid).read_bytes(), buf))
+                if borrow:
+                    # Verify here and serve the shards in the load exchange: only the header
+                    # travels now.
+                    bad = _verify(reader.header, buf)
+                    if bad:
+                        raise CorruptCheckpointError(
+                            f"{cid.stem()}: tensors {bad[:8]} fail their checksum on rank {me}"
+                        )
+                    serving[f.owner] = (reader.header, _views(reader.header, buf))
+                    outgoing.append(Outgoing(f.receiver, raw, torch.empty(0, dtype=torch.uint8)))
+                else:
+                    maps.append(m)
+                    outgoing.append(Outgoing(f.receiver, raw, buf))
             except (StoreError, OSError) as e:
                 # Still take part in the exchange (an empty header marks the failure), so the
                 # receiver learns it at once instead of timing out.
@@ -251,6 +280,7 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
     cid = CheckpointId(iteration, mine.owner, store.session)
     try:
         borrowed = False
+        served_by = None
         if holdings.node_of(mine.source) == holdings.node_of(me):
             header, arena, nread = _read_local(store, cid, borrow)
             borrowed = borrow
@@ -262,9 +292,13 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
             header = CheckpointHeader.unpack(raw, source=f"header of {cid.stem()} from rank {mine.source}")
             if header.id != cid or header.world_size != len(holdings.store_keys):
                 raise CorruptCheckpointError(f"rank {mine.source} sent {header.id} for {cid}")
+            source = "peer"
+            if borrow:
+                served_by = mine.source
+                return Retrieved(header, [], mine.source, source, 0.0, header.data_nbytes, 1,
+                                 served_by=served_by), failures
             arena = remote["arena"]
             nread = header.data_nbytes
-            source = "peer"
         bad = _verify(header, arena)
         if bad:
             raise CorruptCheckpointError(
@@ -275,10 +309,12 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
         logger.warning("copy of %s from rank %d unusable: %s", cid.stem(), mine.source, e)
         failures.append((mine.source, mine.owner))
         return None, failures
-    tensors = [
-        arena[l.offset : l.offset + l.nbytes].view(l.torch_dtype).view(l.shape) for l in header.tensors
-    ]
-    return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1, borrowed=borrowed, arena=arena), failures
+    return Retrieved(header, _views(header, arena), mine.source, source, 0.0, nread, 1,
+                     borrowed=borrowed, arena=arena), failures
+
+
+def _views(header: CheckpointHeader, arena: torch.Tensor) -> List[torch.Tensor]:
+    return [arena[l.offset : l.offset + l.nbytes].view(l.torch_dtype).view(l.shape) for l in header.tensors]
 
 
 def _map_readonly(reader):

@@ -277,6 +277,19 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """The saved shards' metadata, in the order of :attr:`tensors`."""
         return self._saved_sharded_tensors()
 
+    def holding_nothing(self) -> "MCoreTensorAwareStateDict":
+        """The same structure and common state, holding no tensors: for a rank whose own saved
+        shards are served by other ranks on load (its node was lost)."""
+        sts = _sharded_tensors(self.sharded_state_dict)
+        for st in sts:
+            st.data = None
+        return MCoreTensorAwareStateDict(
+            common=self.common,
+            sharded_state_dict=self.sharded_state_dict,
+            _is_hollow=False,
+            _saved=tuple(False for _ in sts),
+        )
+
     @property
     def pending_devices(self) -> List[Optional[str]]:
         """Per saved tensor: the device type it returns to on ``restore_tensor_device`` (None:
@@ -401,6 +414,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         return_mismatch_keys: bool = False,
         *,
         load_into_template: bool = False,
+        extra_held: Optional[Dict[Any, torch.Tensor]] = None,
     ):
         """Fill ``sharded_state_dict`` (the template) with this checkpoint's data.
 
@@ -408,6 +422,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         the stored dtype and shape, the bytes are written into it in place (received shards
         arrive there directly) and the result holds that tensor — no new allocation, which on
         restore is most of the cost (fresh pages), and the model is loaded as a side effect.
+        ``extra_held`` (our extension): more shards this rank can serve, by shard id — e.g. the
+        tensors of a lost rank's replica kept on this rank's node.
 
         With ``fully_parallel``, shards this rank did not save come from the ranks of
         ``parallelization_group`` that did. One metadata all-gather (over the world when
@@ -437,6 +453,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             template_shards = _sharded_tensors(sharded)
             template_objects = _sharded_objects(sharded)
             held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
+            for sid, t in (extra_held or {}).items():
+                held.setdefault(sid, t)
             held_objects = {o.object_id: o for o in _sharded_objects(self.sharded_state_dict)}
             ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)} | {
                 o.key for o in held_objects.values()
