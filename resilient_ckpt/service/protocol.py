@@ -349,9 +349,35 @@ HOLDING = BodySchema(
         "total_bytes": _int(),
         "header_digest": _bytes(8, 64, required=False),
         "replica": _bool(required=False),
+        # Daemon extensions: which node holds it (LIST with peers=true) and the job's ranks per
+        # node (from the store header), so a replacement node knows which owners are its own.
+        "node": _int(hi=_MAX_RANK, required=False),
+        "ranks_per_node": _int(1, _MAX_RANK, required=False),
     },
     rules=(_RANK_RULE,),
 )
+
+#: Replication state of one checkpoint id, as the daemon reports it (COMMIT, STATUS).
+REPLICATION_STATES = frozenset({"unknown", "local", "replicating", "replicated", "failed"})
+REPLICATION = BodySchema(
+    {
+        "state": _str(choices=REPLICATION_STATES),
+        "holders": _list(_int(hi=_MAX_RANK), 0, 4096, required=False),  # holder node ids
+        "acked": _list(_int(hi=_MAX_RANK), 0, 4096, required=False),  # nodes that stored it
+        "bytes_out": _int(required=False),
+        "seconds": Field("float", required=False),
+        "error": _str(0, 8192, required=False),
+        "failed_node": _int(hi=_MAX_RANK, required=False),
+    }
+)
+
+#: How long a daemon may hold an answer (COMMIT / STATUS ``wait_ms``): at most a day.
+_MAX_WAIT_MS = 86_400_000
+
+
+def _id_query_consistent(body: Mapping[str, Any]) -> bool:
+    has_it, has_owner = "iteration" in body, "owner_rank" in body
+    return has_it == has_owner and ("wait_ms" not in body or has_it)
 
 #: Body schema of every message type (request side; OK results are in RESULT_SCHEMAS).
 SCHEMAS: Mapping[MessageType, BodySchema] = {
@@ -393,6 +419,8 @@ SCHEMAS: Mapping[MessageType, BodySchema] = {
             "world_size": _int(1, _MAX_RANK),
             "header_digest": _bytes(8, 64),
             "total_bytes": _int(required=False),
+            # Daemon extension: answer once replication finished or after this many ms.
+            "wait_ms": _int(0, _MAX_WAIT_MS, required=False),
         },
         rules=(_RANK_RULE,),
     ),
@@ -410,6 +438,9 @@ SCHEMAS: Mapping[MessageType, BodySchema] = {
             _RANK_RULE,
             (_chunk_plan_consistent, "num_chunks must equal ceil(total_bytes / chunk_bytes)"),
         ),
+        # Optional: the store header (the one END carries) up front, so the receiver can refuse
+        # early and verify tensor checksums while each chunk is still in cache.
+        frames=(0, 1),
     ),
     MessageType.REPLICATE_CHUNK: BodySchema(
         {
@@ -436,22 +467,55 @@ SCHEMAS: Mapping[MessageType, BodySchema] = {
             "iteration": _int(),
             "owner_rank": _int(hi=_MAX_RANK),
             "max_chunk_bytes": _int(1, _I64, required=False),
+            # Daemon extensions: ``pull`` asks the daemon to bring the id into its own store
+            # (from ``from_node``, else any holder among its peers) instead of streaming it.
+            "pull": _bool(required=False),
+            "from_node": _int(hi=_MAX_RANK, required=False),
         }
     ),
     MessageType.LIST: BodySchema(
-        {"iteration": _int(required=False), "owner_rank": _int(hi=_MAX_RANK, required=False)}
+        {
+            "iteration": _int(required=False),
+            "owner_rank": _int(hi=_MAX_RANK, required=False),
+            # Daemon extension: also the holdings of every peer daemon (each with ``node``).
+            "peers": _bool(required=False),
+        }
     ),
     MessageType.DROP: BodySchema({"ids": _list(_record(CHECKPOINT_ID), 1, 4096)}),
-    MessageType.STATUS: BodySchema({}),
+    MessageType.STATUS: BodySchema(
+        {
+            # Daemon extension: the replication state of one id, optionally waiting for it.
+            "iteration": _int(required=False),
+            "owner_rank": _int(hi=_MAX_RANK, required=False),
+            "wait_ms": _int(0, _MAX_WAIT_MS, required=False),
+        },
+        rules=((_id_query_consistent, "iteration and owner_rank go together; wait_ms needs both"),),
+    ),
     MessageType.CREDIT: BodySchema({"bytes": _int(1, _I64)}),
 }
 
 #: Schema of OK ``result`` by the op it answers; ops not listed carry a free-form plain map.
 RESULT_SCHEMAS: Mapping[MessageType, BodySchema] = {
-    MessageType.LIST: BodySchema({"holdings": _list(_record(HOLDING), 0, 65536)}),
+    MessageType.LIST: BodySchema(
+        {
+            "holdings": _list(_record(HOLDING), 0, 65536),
+            "unreachable": _list(_int(hi=_MAX_RANK), 0, 4096, required=False),  # peers=true
+        }
+    ),
     MessageType.DROP: BodySchema({"dropped": _int(0, 1 << 32)}),
-    MessageType.COMMIT: BodySchema({"stored": _bool()}),
+    MessageType.COMMIT: BodySchema({"stored": _bool(), "replication": _record(REPLICATION, required=False)}),
     MessageType.REPLICATE_END: BodySchema({"stored": _bool()}),
+    # The receiver already holds this exact checkpoint: the sender skips the chunks.
+    MessageType.REPLICATE_BEGIN: BodySchema({"stored": _bool(), "already": _bool(required=False)}),
+    # FETCH with pull=true: the id is now in the answering daemon's store.
+    MessageType.FETCH: BodySchema(
+        {
+            "stored": _bool(),
+            "already": _bool(required=False),
+            "source_node": _int(hi=_MAX_RANK, required=False),
+            "total_bytes": _int(required=False),
+        }
+    ),
 }
 
 
@@ -1299,6 +1363,27 @@ def recv_from(
     A message that fails to decode is consumed entirely before the error is raised, so the
     socket stays usable; the error names the peer by routing id and TCP address.
     """
+    routing_id, label, parts = recv_raw_from(sock, timeout_ms=timeout_ms, limits=limits, counters=counters)
+    msg = decode(
+        parts, authenticator, expected_session=expected_session, replay_guard=replay_guard,
+        limits=limits, counters=counters, peer=label,
+    )
+    return routing_id, msg
+
+
+def recv_raw_from(
+    sock: zmq.Socket,
+    *,
+    timeout_ms: int,
+    limits: Limits = DEFAULT_LIMITS,
+    counters: Optional["RejectCounters"] = None,
+) -> Tuple[bytes, str, list]:
+    """One message on a ROUTER, not yet decoded: ``(routing id, peer label, frames)``.
+
+    For a server that must answer an authenticated request that fails validation (it needs the
+    routing id, see :func:`authenticated_request_info`); decode the frames with :func:`decode`
+    and ``peer=label``. Over-limit messages are consumed, counted and raised as LimitExceeded.
+    """
     if sock.type != zmq.ROUTER:
         raise ProtocolConfigError("recv_from is for ROUTER sockets", fix="use recv() on a DEALER")
     try:
@@ -1316,11 +1401,48 @@ def recv_from(
             label = f"{address} [{label}]"
     except (zmq.ZMQError, KeyError, TypeError, ValueError):
         pass
-    msg = decode(
-        parts[1:], authenticator, expected_session=expected_session, replay_guard=replay_guard,
-        limits=limits, counters=counters, peer=label,
-    )
-    return routing_id, msg
+    return routing_id, label, parts[1:]
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """Envelope fields of an authenticated message that failed validation (to answer it)."""
+
+    type_code: Optional[int]
+    req_id: int
+    version: int
+    session: str
+
+
+def authenticated_request_info(
+    frames: Sequence[Buffer], authenticator: "Authenticator", *, limits: Limits = DEFAULT_LIMITS
+) -> Optional[RequestInfo]:
+    """What an ERROR reply needs, only if ``frames`` carry a valid tag; else None.
+
+    The reply policy (docs/protocol.md, section 10) answers authenticated but otherwise
+    invalid messages and never unauthenticated ones: this re-checks the limits and the tag
+    before reading anything from the header, and reads the header with the same bounds as
+    :func:`decode`. Never raises.
+    """
+    try:
+        if not isinstance(frames, (list, tuple)) or len(frames) < 2 or len(frames) - 2 > limits.max_frames:
+            return None
+        views = [_byte_view(f, i, None) for i, f in enumerate(frames)]
+        _check_sizes([v.nbytes for v in views[1:-1]], views[0].nbytes, limits, None, outgoing=False)
+        authenticator.verify(views[0], views[1:-1], views[-1])
+        header = _unpack_header(views[0], None)
+    except ProtocolError:
+        return None
+    req_id, version, session, type_code = header["req_id"], header["version"], header["session"], header["type"]
+    if not (isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id <= _U64):
+        req_id = 0
+    if not (isinstance(version, int) and not isinstance(version, bool) and version in SUPPORTED_VERSIONS):
+        version = PROTOCOL_VERSION
+    if not (isinstance(session, str) and 1 <= len(session) <= 256):
+        session = "-"
+    if not (isinstance(type_code, int) and not isinstance(type_code, bool) and 1 <= type_code <= 0xFFFF):
+        type_code = None
+    return RequestInfo(type_code, req_id, version, session)
 
 
 __all__ = [
@@ -1366,6 +1488,11 @@ __all__ = [
     "negotiate_version",
     "recv",
     "recv_from",
+    "recv_raw_from",
+    "RequestInfo",
+    "authenticated_request_info",
+    "REPLICATION",
+    "REPLICATION_STATES",
     "send",
     "validate_body",
 ]
