@@ -168,6 +168,12 @@ class CheckpointManager:
             complete iteration (or an older one).
         flush_every: flush every this many complete saves (0: only on demand or SIGTERM).
         flush_on_sigterm: flush the newest complete iteration when SIGTERM arrives.
+        mode: ``"embedded"`` (default: trainers replicate among themselves) or ``"service"``
+            (this node's daemon replicates, so replication completes even if the trainer dies;
+            implied by ``endpoint``). The store root must be the daemon's ``--store-root``.
+        endpoint: this node's daemon, e.g. ``tcp://127.0.0.1:7555`` (default from
+            ``RESILIENT_CKPT_ENDPOINT``); the job secret comes from ``RESILIENT_CKPT_SECRET`` or
+            ``RESILIENT_CKPT_SECRET_FILE``.
     """
 
     def __init__(
@@ -190,6 +196,8 @@ class CheckpointManager:
         persistent_dir: Optional[str] = None,
         flush_every: int = 0,
         flush_on_sigterm: bool = False,
+        mode: Optional[str] = None,
+        endpoint: Optional[str] = None,
     ):
         session_id = session_id or session or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
         if keep_last < 1:
@@ -239,6 +247,22 @@ class CheckpointManager:
         self.last_load_metrics: Optional[LoadMetrics] = None
         self._persistent_args = (persistent_dir, flush_every, flush_on_sigterm)
         self._tier = None
+        endpoint = endpoint or (os.environ.get("RESILIENT_CKPT_ENDPOINT") if mode == "service" else None)
+        self.mode = mode or ("service" if endpoint else "embedded")
+        self._client = None
+        if self.mode == "service":
+            if not endpoint:
+                raise ValidationError(
+                    "service mode needs the node daemon's endpoint: pass endpoint='tcp://HOST:PORT' "
+                    "or set RESILIENT_CKPT_ENDPOINT (start it with `resilient-ckpt serve`)"
+                )
+            from .service.client import DaemonClient
+            from .service.replicator import ServiceReplicator
+
+            self._client = DaemonClient(endpoint, session_id, timeout_s=timeout_s, rank=self.rank)
+            self._replicator = ServiceReplicator(self._client, self.store, self.rank, timeout_s=timeout_s)
+        elif self.mode != "embedded":
+            raise ValidationError(f"mode must be 'embedded' or 'service', got {mode!r}")
 
     # ---- groups ------------------------------------------------------------------------------
 
@@ -640,6 +664,22 @@ class CheckpointManager:
         )
         return state, iteration
 
+    def _pull_missing(self, holdings: Holdings, iteration: int, group) -> Holdings:
+        """Service mode: ask this node's daemon to pull this rank's checkpoint from a peer
+        daemon when the node's store lacks it (a replacement node), then re-gather holdings
+        (collective: every rank calls this at the same point)."""
+        mine = holdings.ids[self.rank] if self.rank < len(holdings.ids) else {}
+        if (iteration, self.rank) not in mine:
+            try:
+                res = self._client.fetch(iteration, self.rank, timeout=self.timeout_s)
+                logger.info("daemon pulled iteration %d of rank %d: %s", iteration, self.rank, res)
+            except Exception as e:  # the trainer-side exchange below is the fallback
+                logger.warning(
+                    "daemon could not pull iteration %d of rank %d (%s); peers serve it instead",
+                    iteration, self.rank, e,
+                )
+        return gather_holdings(self.store, group, self.world_size)
+
     def _maybe_load_persistent(self, tier, template, t0: float) -> Optional[Tuple[Any, int]]:
         """Load from the persistent tier if it is newer than memory (decided collectively)."""
         in_memory = self.find_latest()
@@ -695,6 +735,8 @@ class CheckpointManager:
         last_error: Optional[BaseException] = None
         for iteration in complete:
             self._drop_abandoned(newer_than=iteration)
+            if self._client is not None:
+                holdings = self._pull_missing(holdings, iteration, group)
             try:
                 retrieved = retrieve(
                     self.store, holdings, iteration, group, self._transport, self.rank,
@@ -819,6 +861,8 @@ class CheckpointManager:
         self.wait_for_saves()
         if self._tier is not None:
             self._tier.close()
+        if self._client is not None:
+            self._client.close()
         self._worker.shutdown(wait=True)
         self._stager.shutdown()
         self._prefetcher.close()

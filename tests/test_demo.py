@@ -12,10 +12,10 @@ from resilient_ckpt.demo import orchestrator
 STEPS, INTERVAL = 24, 6  # saves after steps 5, 11, 17; the failure comes after step 19
 
 
-def _demo(tmp_path, failure: str) -> dict:
+def _demo(tmp_path, failure: str, mode: str = "embedded") -> dict:
     out = tmp_path / "result.json"
     rc = orchestrator.main([
-        "--steps", str(STEPS), "--interval", str(INTERVAL), "--failure", failure,
+        "--steps", str(STEPS), "--interval", str(INTERVAL), "--failure", failure, "--mode", mode,
         "--json", str(out), "--plot", str(tmp_path / "loss.png"), "--workdir", str(tmp_path / "nodes"),
     ])
     result = json.loads(out.read_text())
@@ -57,6 +57,15 @@ def test_demo_rank_crash_restores_the_killed_rank_from_its_own_node(tmp_path):
     _check_resumed_bit_exactly(result)
     assert result["killed_ranks"] == [3]
     assert all(r["source"] == "local" for r in result["restores"]), result["restores"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_demo_in_service_mode_recovers_a_lost_node_through_its_replacement_daemon(tmp_path):
+    result = _demo(tmp_path, "node", mode="service")
+    _check_resumed_bit_exactly(result)
+    # The replacement node's daemon pulled its ranks' data before the trainers started.
+    assert [r["source"] for r in result["restores"]] == ["local"] * 4
 
 
 def test_demo_rejects_a_failure_step_outside_the_run():

@@ -112,7 +112,8 @@ class Demo:
                 "--timeout", "20",
             ]
             if self.args.mode == "service":
-                argv += ["--endpoint", self.daemons.endpoint(node)]
+                argv += ["--endpoint", self.daemons.endpoint(node, run)]
+                env.update(self.daemons.env)
             if rank in victims and pause_at >= 0:
                 argv += ["--pause-at", str(pause_at)]
             control = ctx.Queue()
