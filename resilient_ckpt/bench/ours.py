@@ -8,6 +8,8 @@ forward/backward and only the optimizer step waits.
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any, Dict
 
 from ..manager import CheckpointManager
@@ -61,3 +63,50 @@ class EmbeddedSystem:
 
     def teardown(self) -> None:
         self.manager.close()
+
+
+class _NodeDaemons:
+    """ours-service's per-node services for the runner: one daemon process per node."""
+
+    def __init__(self, cluster):
+        from ..service.local_cluster import LocalDaemonCluster
+
+        roots = [cluster.store_root(n) for n in range(cluster.num_nodes)]
+        self.session = cluster.session
+        self.daemons = LocalDaemonCluster(roots, Path(cluster.tmp_root) / "daemons", cluster.session).start()
+        self.info = {"endpoints": list(self.daemons.endpoints), "env": self.daemons.env}
+
+    def kill_node(self, node: int) -> None:
+        self.daemons.kill(node)
+
+    def start_node(self, node: int) -> None:
+        # A replacement daemon without --recover: the trainers' restore asks it to pull, so the
+        # pull is inside the timed restore.
+        self.daemons.restart(node)
+
+    def stop(self) -> None:
+        self.daemons.stop()
+
+
+class ServiceSystem(EmbeddedSystem):
+    """Service mode: each node's daemon replicates (and serves pulls); trainers commit to it."""
+
+    name = "ours-service"
+
+    @classmethod
+    def start_nodes(cls, cluster) -> _NodeDaemons:
+        return _NodeDaemons(cluster)
+
+    def setup(self, ctx: RankContext) -> None:
+        logging.getLogger("resilient_ckpt").setLevel(logging.ERROR)
+        os.environ.update(ctx.services["env"])
+        self.manager = CheckpointManager(
+            session_id=ctx.session,
+            store_root=ctx.store_root,
+            replication_factor=ctx.replication_factor,
+            ranks_per_node=ctx.ranks_per_node,
+            parallelization_group=ctx.dp_group,
+            timeout_s=300,
+            mode="service",
+            endpoint=ctx.services["endpoints"][ctx.node],
+        )

@@ -113,7 +113,7 @@ class Demo:
             ]
             if self.args.mode == "service":
                 argv += ["--endpoint", self.daemons.endpoint(node, run)]
-                env.update(self.daemons.env)
+                env.update(self.daemons.env(run))
             if rank in victims and pause_at >= 0:
                 argv += ["--pause-at", str(pause_at)]
             control = ctx.Queue()
