@@ -52,7 +52,7 @@ from .replication.transport import P2PTransport, new_checkpoint_group
 from .restore import Holdings, Retrieved, gather_holdings, retrieve
 from .staging import SegmentPrefetcher, Stager, StagingHandle
 from .store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore, Segment, plan_layout
-from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+from .tensor_aware_state_dict import MCoreTensorAwareStateDict, template_targets
 from .nested import map_leaves
 from .validation import StrictHandling
 
@@ -625,7 +625,8 @@ class CheckpointManager:
             out = self._maybe_load_persistent(tier, template, t0)
             if out is not None:
                 return out
-        retrieved, iteration = self._retrieve_latest(borrow=True)
+        targets = template_targets(template) if template is not None else {}
+        retrieved, iteration = self._retrieve_latest(borrow=True, targets=targets)
         if retrieved is None:
             return None
         tasd = self._decode(retrieved, iteration)
@@ -709,7 +710,7 @@ class CheckpointManager:
         )
         return out
 
-    def _retrieve_latest(self, borrow: bool = False) -> Tuple[Optional[Retrieved], int]:
+    def _retrieve_latest(self, borrow: bool = False, targets=None) -> Tuple[Optional[Retrieved], int]:
         self.wait_for_saves()
         group = self._ckpt_group()
         holdings = gather_holdings(self.store, group, self.world_size)
@@ -740,7 +741,7 @@ class CheckpointManager:
             try:
                 retrieved = retrieve(
                     self.store, holdings, iteration, group, self._transport, self.rank,
-                    self.world_size, borrow=borrow,
+                    self.world_size, borrow=borrow, targets=targets,
                 )
                 break
             except (CorruptCheckpointError, NoReplicaError) as e:

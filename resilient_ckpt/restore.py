@@ -14,7 +14,7 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -155,6 +155,7 @@ def retrieve(
     me: int,
     world_size: int,
     borrow: bool = False,
+    targets: Optional[Mapping[Any, torch.Tensor]] = None,
 ) -> Retrieved:
     """Bring this rank's checkpoint of ``iteration`` into memory, verified.
 
@@ -163,7 +164,8 @@ def retrieve(
     In borrow mode a rank whose data lives only on other nodes receives just the header; the
     remote holder verifies its copy and serves the shards in the load exchange
     (``Retrieved.served_by`` / ``Retrieved.serving``), so they travel once, straight into the
-    receiver's tensors.
+    receiver's tensors. ``targets`` (borrow mode; shard id -> tensor, e.g. the template's):
+    tensors of the node's own copy are read straight into them — one copy, no new pages.
 
     Local-first, then the least-loaded remote holder; copies failing their checksum are
     excluded and the plan is redone on every rank together.
@@ -179,7 +181,8 @@ def retrieve(
     for attempt in range(1, MAX_ATTEMPTS + 1):
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
-        result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow, serving)
+        result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow, serving,
+                                    targets)
         if result is not None and done is None:
             result.attempts = attempt
             done = result
@@ -220,7 +223,8 @@ def retrieve(
     return done
 
 
-def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow, serving):
+def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow, serving,
+             targets=None):
     """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw).
 
     ``serving`` (borrow mode) collects the replicas this rank verified and will serve.
@@ -282,9 +286,18 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
         borrowed = False
         served_by = None
         if holdings.node_of(mine.source) == holdings.node_of(me):
-            header, arena, nread = _read_local(store, cid, borrow)
-            borrowed = borrow
             source = "local" if mine.source == me else "node"
+            if borrow:
+                header, tensors, arena, nread = _read_local_into(store, cid, targets or {})
+                bad = _verify_tensors(header, tensors)
+                if bad:
+                    raise CorruptCheckpointError(
+                        f"{cid.stem()} from rank {mine.source}: tensors {bad[:8]} fail their "
+                        f"{header.checksum_algo} checksum"
+                    )
+                return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1,
+                                 borrowed=True, arena=arena), failures
+            header, arena, nread = _read_local(store, cid, borrow)
         else:
             raw = remote.get("header", b"")
             if not raw:
@@ -343,6 +356,57 @@ def _read_local(store: CheckpointStore, cid: CheckpointId, borrow: bool):
     if n:
         reader.read_range(0, checksum.byte_view(arena))
     return reader.header, arena, n
+
+
+def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping[Any, torch.Tensor]):
+    """Borrow mode, the node's own copy: tensors with a target (same dtype/shape, contiguous,
+    CPU) are read from the store file straight into it; the others become read-only views of
+    a mapping of the segment (only mapped if needed). Returns (header, tensors, mapping or
+    None, bytes)."""
+    from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    reader = store.open(cid)
+    header = reader.header
+    tensors: List[Optional[torch.Tensor]] = [None] * len(header.tensors)
+    if targets:
+        sids = [st.shard_id for st in MCoreTensorAwareStateDict.from_bytes(header.meta).tensor_metadata]
+        if len(sids) != len(header.tensors):
+            raise CorruptCheckpointError(f"{cid.stem()}: header lists {len(header.tensors)} tensors, metadata {len(sids)}")
+        with open(reader.path, "rb", buffering=0) as f:
+            for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
+                t = targets.get(sid)
+                if (t is None or t.device.type != "cpu" or not t.is_contiguous() or t.dtype != lay.torch_dtype
+                        or tuple(t.shape) != lay.shape):
+                    continue
+                if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
+                    raise CorruptCheckpointError(f"{reader.path}: short read of tensor {i}")
+                tensors[i] = t
+    arena = None
+    if any(t is None for t in tensors):
+        _m, arena = _map_readonly(reader)
+        for i, lay in enumerate(header.tensors):
+            if tensors[i] is None:
+                tensors[i] = arena[lay.offset : lay.offset + lay.nbytes].view(lay.torch_dtype).view(lay.shape)
+    return header, tensors, arena, header.data_nbytes
+
+
+def _pread_into(fd: int, t: torch.Tensor, offset: int) -> int:
+    view = checksum.byte_view(t)
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
+def _verify_tensors(header: CheckpointHeader, tensors: Sequence[torch.Tensor]) -> List[int]:
+    return [
+        i
+        for i, (l, t) in enumerate(zip(header.tensors, tensors))
+        if l.checksum is not None and l.nbytes and checksum.digest(checksum.byte_view(t)) != l.checksum
+    ]
 
 
 def _verify(header: CheckpointHeader, arena: torch.Tensor) -> List[int]:

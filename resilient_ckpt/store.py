@@ -207,6 +207,18 @@ class Segment:
     def tensor(self, layout: TensorLayout) -> torch.Tensor:
         return self.buffer[layout.offset : layout.offset + layout.nbytes].view(layout.torch_dtype).view(layout.shape)
 
+    def release_pages(self, offset: int, nbytes: int) -> None:
+        """Drop ``[offset, offset + nbytes)`` from this process's page tables (MADV_DONTNEED on
+        a shared file mapping: the bytes stay in the store, the process's resident set shrinks;
+        touching them again maps them back). No-op while page-locked for CUDA."""
+        if self._mmap is None or self.pinned or nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = offset // page * page
+        end = min(self.nbytes, -(-(offset + nbytes) // page) * page)
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def pin(self) -> None:
         """Page-lock the mapping for CUDA (D2H copies land here directly, asynchronously)."""
         if self.pinned or not self.nbytes or not torch.cuda.is_available():

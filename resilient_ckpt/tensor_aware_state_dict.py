@@ -157,6 +157,20 @@ def _sharded_objects(tree: Any) -> List[ShardedObject]:
     return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
 
 
+def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
+    """Shard id -> the tensor a template's ShardedTensor carries (where restored bytes can be
+    written in place, see ``to_state_dict(load_into_template=True)``)."""
+    if not sharded_state_dict:
+        return {}
+    sharded, _common, _nonpersistent, _factories = _preprocess(sharded_state_dict)
+    out: Dict[Any, torch.Tensor] = {}
+    for st in _sharded_tensors(sharded):
+        d = st.data
+        if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
+            out.setdefault(st.shard_id, d)
+    return out
+
+
 @dataclass
 class MCoreTensorAwareStateDict(TensorAwareStateDict):
     """Common state + sharded state, with this rank's saved tensors tracked explicitly."""

@@ -389,7 +389,7 @@ def test_a_corrupt_copy_is_excluded_for_its_whole_node_so_a_remote_replica_is_re
     holdings = restore.Holdings(("a",) * 8 + ("b",), tuple(held), ((),) * world)
     tried = []
 
-    def fake_execute(store, holdings_, iteration, plan, transport, me, borrow=False, serving=None):
+    def fake_execute(store, holdings_, iteration, plan, transport, me, *_borrow_serving_targets):
         (mine,) = [f for f in plan if f.receiver == me]
         tried.append(mine.source)
         if holdings_.node_of(mine.source) == 0:  # every copy on node "a" is the corrupt file

@@ -42,7 +42,9 @@ class PeerReplicator:
         if not holders and not sources:
             return ReplicationResult()
         raw = header.pack()
-        outgoing = [Outgoing(dst, raw, segment.buffer) for dst in holders]
+        # Pages already sent (received) leave this process's resident set as replication goes:
+        # the bytes stay in the store, the trainer's RSS stays about one chunk above its state.
+        outgoing = [Outgoing(dst, raw, segment.buffer, on_chunk=segment.release_pages) for dst in holders]
         claimed: List[Tuple[Segment, bytes, CheckpointId]] = []
 
         def allocate_for(src: int):
@@ -57,13 +59,20 @@ class PeerReplicator:
                     raise ReplicationError(
                         f"rank {src} sent {h.id} while replicating iteration {header.iteration}"
                     )
-                seg = self.store.allocate(h.iteration, h.owner, nbytes)  # released if claim fails
+                # Not populated: pages are touched as chunks land, then released (see on_chunk).
+                seg = self.store.allocate(h.iteration, h.owner, nbytes, populate=False)
                 claimed.append((seg, hdr, h.id))
+                segs[src] = seg
                 return seg.buffer
 
             return allocate
 
-        incoming = [Incoming(src, allocate_for(src)) for src in sources]
+        segs: dict = {}
+
+        def released_for(src: int):
+            return lambda lo, n: segs[src].release_pages(lo, n) if src in segs else None
+
+        incoming = [Incoming(src, allocate_for(src), on_chunk=released_for(src)) for src in sources]
         result = ReplicationResult()
         try:
             stats = self.transport.exchange(outgoing, incoming)

@@ -56,6 +56,9 @@ class Outgoing:
     dst: int
     header: bytes
     payload: torch.Tensor = field(repr=False)
+    #: called as ``on_chunk(offset, nbytes)`` once that part of the payload was sent (e.g. to
+    #: drop a mapped segment's pages from this process's resident set)
+    on_chunk: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class Incoming:
 
     src: int
     allocate: Callable[[bytes, int], torch.Tensor] = field(repr=False)
+    #: called as ``on_chunk(offset, nbytes)`` once that part of the payload landed
+    on_chunk: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class _Transfer:
     chunk: int = 1
     discard: bool = False  # incoming whose allocate failed: drain into scratch, keep in sync
     index: int = 0  # position among this rank's sends / receives (bounce buffer slot)
+    on_chunk: Optional[Callable[[int, int], None]] = None
 
     def chunks(self) -> int:
         return -(-self.nbytes // self.chunk)
@@ -296,6 +302,10 @@ class P2PTransport:
             self._run(ops, f"payload round {i + 1}/{rounds}")
             for view, buf in unstage:
                 self._copy(view, buf)
+            for t in sends + recvs:
+                if t.on_chunk is not None and not t.discard and i < t.chunks():
+                    lo = i * t.chunk
+                    t.on_chunk(lo, min(t.chunk, t.nbytes - lo))
         if self.device.type == "cuda" or any(
             t.payload is not None and t.payload.device.type == "cuda" for t in sends + recvs
         ):
@@ -358,14 +368,15 @@ class P2PTransport:
             )
         header = bytes(o.header)
         return _Transfer(
-            dst, True, header, len(header), p, None, p.numel(), self.chunk_bytes, index=index
+            dst, True, header, len(header), p, None, p.numel(), self.chunk_bytes, index=index,
+            on_chunk=o.on_chunk,
         )
 
     def _check_incoming(self, index: int, inc: Incoming) -> _Transfer:
         src = self._check_peer(inc.src, "source")
         if not callable(inc.allocate):
             raise ReplicationError(f"Incoming from rank {src}: allocate must be callable")
-        return _Transfer(src, False, allocate=inc.allocate, index=index)
+        return _Transfer(src, False, allocate=inc.allocate, index=index, on_chunk=inc.on_chunk)
 
     def _check_allocated(self, t: _Transfer, out: object) -> torch.Tensor:
         if (
