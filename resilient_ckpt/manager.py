@@ -49,7 +49,7 @@ from .errors import (
 from .replication.placement import Placement, clique_placement, ring_placement
 from .replication.peer import PeerReplicator
 from .replication.transport import P2PTransport, new_checkpoint_group
-from .restore import Holdings, Retrieved, gather_holdings, retrieve
+from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
 from .staging import SegmentPrefetcher, Stager, StagingHandle
 from .store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore, Segment, plan_layout
 from .tensor_aware_state_dict import MCoreTensorAwareStateDict, template_targets
@@ -635,6 +635,14 @@ class CheckpointManager:
         for hdr, views in retrieved.serving.values():
             replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
             extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
+        # Shards the template needs that this rank did not save but a replica in this node's
+        # store holds (ring placement puts the previous node's ranks here: typically half of
+        # the data-parallel replicated shards): read locally, not over the network.
+        if targets and retrieved.served_by is None:
+            own = {st.shard_id for st in tasd.tensor_metadata}
+            wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
+            if wanted:
+                extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
         t1 = time.perf_counter()
         state = tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
@@ -832,7 +840,7 @@ class CheckpointManager:
         tasd = None
         local: Optional[BaseException] = None
         try:
-            tasd = MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
+            tasd = retrieved.hollow or MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
             if retrieved.served_by is not None:
                 # Lost node: the holder of the replica serves this rank's shards in the exchange.
                 tasd = tasd.holding_nothing()

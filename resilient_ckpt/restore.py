@@ -134,6 +134,8 @@ class Retrieved:
     served_by: Optional[int] = None
     #: borrow mode: owner -> (header, verified read-only views) of replicas this rank serves
     serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]] = field(default_factory=dict)
+    #: the hollow state dict decoded from ``header.meta`` when retrieval needed it (reused)
+    hollow: Any = None
 
     def borrowed_storages(self) -> Set[int]:
         """Storage addresses of the store mappings this retrieval's tensors view: tensors on
@@ -288,7 +290,7 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
         if holdings.node_of(mine.source) == holdings.node_of(me):
             source = "local" if mine.source == me else "node"
             if borrow:
-                header, tensors, arena, nread = _read_local_into(store, cid, targets or {})
+                header, tensors, arena, nread, hollow = _read_local_into(store, cid, targets or {})
                 bad = _verify_tensors(header, tensors)
                 if bad:
                     raise CorruptCheckpointError(
@@ -296,7 +298,7 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
                         f"{header.checksum_algo} checksum"
                     )
                 return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1,
-                                 borrowed=True, arena=arena), failures
+                                 borrowed=True, arena=arena, hollow=hollow), failures
             header, arena, nread = _read_local(store, cid, borrow)
         else:
             raw = remote.get("header", b"")
@@ -362,14 +364,16 @@ def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping
     """Borrow mode, the node's own copy: tensors with a target (same dtype/shape, contiguous,
     CPU) are read from the store file straight into it; the others become read-only views of
     a mapping of the segment (only mapped if needed). Returns (header, tensors, mapping or
-    None, bytes)."""
+    None, bytes, decoded hollow state dict or None)."""
     from .tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     reader = store.open(cid)
     header = reader.header
     tensors: List[Optional[torch.Tensor]] = [None] * len(header.tensors)
+    hollow = None
     if targets:
-        sids = [st.shard_id for st in MCoreTensorAwareStateDict.from_bytes(header.meta).tensor_metadata]
+        hollow = MCoreTensorAwareStateDict.from_bytes(header.meta)
+        sids = [st.shard_id for st in hollow.tensor_metadata]
         if len(sids) != len(header.tensors):
             raise CorruptCheckpointError(f"{cid.stem()}: header lists {len(header.tensors)} tensors, metadata {len(sids)}")
         with open(reader.path, "rb", buffering=0) as f:
@@ -387,7 +391,42 @@ def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping
         for i, lay in enumerate(header.tensors):
             if tensors[i] is None:
                 tensors[i] = arena[lay.offset : lay.offset + lay.nbytes].view(lay.torch_dtype).view(lay.shape)
-    return header, tensors, arena, header.data_nbytes
+    return header, tensors, arena, header.data_nbytes, hollow
+
+
+def read_local_shards(
+    store: CheckpointStore, iteration: int, wanted: Mapping[Any, torch.Tensor], skip_owner: int
+) -> Dict[Any, torch.Tensor]:
+    """Fill ``wanted`` (shard id -> target tensor) from other owners' checkpoints of
+    ``iteration`` in this node's store, straight into the targets, each verified against its
+    checksum. Returns the shard ids filled (-> their target); anything unusable is skipped (the
+    load exchange brings it from another rank instead)."""
+    from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    filled: Dict[Any, torch.Tensor] = {}
+    for cid in store.list():
+        if cid.iteration != iteration or cid.owner == skip_owner or len(filled) == len(wanted):
+            continue
+        try:
+            reader = store.open(cid)
+            header = reader.header
+            metas = MCoreTensorAwareStateDict.from_bytes(header.meta).tensor_metadata
+            with open(reader.path, "rb", buffering=0) as f:
+                for lay, st in zip(header.tensors, metas):
+                    t = wanted.get(st.shard_id)
+                    if (t is None or st.shard_id in filled or t.device.type != "cpu"
+                            or not t.is_contiguous() or t.dtype != lay.torch_dtype
+                            or tuple(t.shape) != lay.shape):
+                        continue
+                    if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
+                        continue
+                    if lay.checksum is not None and lay.nbytes and checksum.digest(checksum.byte_view(t)) != lay.checksum:
+                        logger.warning("%s: shard %s fails its checksum; fetching it from a peer", cid.stem(), st.shard_id)
+                        continue
+                    filled[st.shard_id] = t
+        except (StoreError, OSError) as e:
+            logger.warning("cannot read %s for local shards: %s", cid.stem(), e)
+    return filled
 
 
 def _pread_into(fd: int, t: torch.Tensor, offset: int) -> int:
