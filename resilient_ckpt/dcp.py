@@ -1331,11 +1331,9 @@ def read_values(
     return planner.values
 
 
-class _ValueCollector(LoadPlanner):
-    def __init__(self, allow_pickle: bool, raw: bool = False):
-        self.allow_pickle = allow_pickle
-        self.raw = raw
-        self.values: Dict[str, Any] = {}
+class PassiveLoadPlanner(LoadPlanner):
+    """A LoadPlanner for direct ``StorageReader.read_data`` calls with a hand-made plan: the
+    planning steps of a ``dcp.load`` are never run, only the data callbacks."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:  # pragma: no cover
         pass
@@ -1348,6 +1346,13 @@ class _ValueCollector(LoadPlanner):
 
     def finish_plan(self, central_plan):  # pragma: no cover
         return central_plan
+
+
+class _ValueCollector(PassiveLoadPlanner):
+    def __init__(self, allow_pickle: bool, raw: bool = False):
+        self.allow_pickle = allow_pickle
+        self.raw = raw
+        self.values: Dict[str, Any] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

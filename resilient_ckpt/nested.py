@@ -169,6 +169,19 @@ def merge(x1: Any, x2: Any, path: Path = ()) -> Any:
     )
 
 
+def fill_holes(x: Any) -> Any:
+    """List positions nobody filled become None: the HOLE marker is internal and never
+    reaches a caller (dicts are updated in place, lists rebuilt)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if isinstance(v, (dict, list)):
+                x[k] = fill_holes(v)
+        return x
+    if isinstance(x, list):
+        return [None if v is HOLE else fill_holes(v) for v in x]
+    return x
+
+
 def has_holes(x: Any) -> bool:
     if isinstance(x, dict):
         return any(has_holes(v) for v in x.values())

@@ -88,6 +88,7 @@ from .dcp import (
     MANIFEST_NAME,
     METADATA_NAME,
     LocalPlanData,
+    PassiveLoadPlanner,
     RawBytes,
     ResilientFileSystemWriter,
     ResilientLoadPlanner,
@@ -110,7 +111,7 @@ from .errors import (
     ValidationError,
 )
 from .mapping import ShardedObject, apply_factory_merges
-from .nested import HOLE, map_leaves, map_leaves_inplace, merge, split
+from .nested import HOLE, fill_holes, map_leaves, map_leaves_inplace, merge, split
 from .store import CheckpointId, CheckpointStore
 
 logger = logging.getLogger(__name__)
@@ -313,15 +314,6 @@ def _from_dcp(e: CheckpointException, what: str) -> CheckpointingException:
     return CheckpointingException(msg)
 
 
-def _fill_holes(x: Any) -> Any:
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if isinstance(v, (dict, list)):
-                x[k] = _fill_holes(v)
-        return x
-    if isinstance(x, list):
-        return [None if v is HOLE else _fill_holes(v) for v in x]
-    return x
 
 
 # ---- the tier ------------------------------------------------------------------------------
@@ -874,7 +866,7 @@ class PersistentTier:
         merge(result, nonpersistent)
         if factories:
             result = apply_factory_merges(result, factories)
-        result = _fill_holes(result)
+        result = fill_holes(result)
         self._last_flushed = max(self._last_flushed if self._last_flushed is not None else -1, chosen.iteration)
         self.last_load = LoadReport(
             "persistent", chosen.iteration, chosen.path, time.perf_counter() - t0, bytes_read, two_stage
@@ -951,7 +943,7 @@ class TwoStageStats:
     read_seconds: float = 0.0
 
 
-class _BufferPlanner(LoadPlanner):
+class _BufferPlanner(PassiveLoadPlanner):
     """Reads whole stored entries into fresh buffers (the first stage of a two-stage load)."""
 
     def __init__(self, pin: bool):
@@ -964,18 +956,6 @@ class _BufferPlanner(LoadPlanner):
     def expect(self, dtype: torch.dtype, shape: Tuple[int, ...], out: Optional[torch.Tensor] = None) -> None:
         self._dtype, self._shape = dtype, shape
         self.tensor = out if out is not None else torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:  # pragma: no cover
-        pass
-
-    def create_local_plan(self) -> LoadPlan:  # pragma: no cover
-        return LoadPlan([])
-
-    def create_global_plan(self, global_plan):  # pragma: no cover
-        return global_plan
-
-    def finish_plan(self, central_plan):  # pragma: no cover
-        return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.raw = value.getvalue()

@@ -40,7 +40,7 @@ from .mapping import (
     is_factory,
     is_sharded,
 )
-from .nested import HOLE, map_leaves, map_leaves_inplace, merge, nested_values, split
+from .nested import HOLE, fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
 from .validation import (
     StrictHandling,
     apply_strictness,
@@ -502,7 +502,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             # Nothing requested anywhere (Megatron returns the common state for an empty
             # template): no exchange, no strictness verdict.
             merge(result, nonpersistent)
-            result = _fill_holes(result)
+            result = fill_holes(result)
             return (result, set(), set()) if return_mismatch_keys else result
         if validate_access_integrity:
             validate_sharding_integrity(
@@ -602,7 +602,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         sharded = _drop_marked(sharded)
         sharded = apply_factory_merges(sharded, factories)
         merge(result, sharded)
-        result = _fill_holes(result)
+        result = fill_holes(result)
         if strict == StrictHandling.IGNORE_ALL:
             missing, mine_unexpected = set(), set()
         elif strict == StrictHandling.ASSUME_OK_UNEXPECTED:
@@ -698,17 +698,6 @@ class _Drop:
 _DROP = _Drop()
 
 
-def _fill_holes(x):
-    """List positions nobody filled (a checkpoint entry the template did not ask for) become
-    None: the HOLE marker is internal and never reaches the caller."""
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if isinstance(v, (dict, list)):
-                x[k] = _fill_holes(v)
-        return x
-    if isinstance(x, list):
-        return [None if v is HOLE else _fill_holes(v) for v in x]
-    return x
 
 
 def _drop_marked(x):

@@ -29,7 +29,10 @@ class EmbeddedSystem:
 
     def setup(self, ctx: RankContext) -> None:
         logging.getLogger("resilient_ckpt").setLevel(logging.ERROR)
-        self.manager = CheckpointManager(
+        self.manager = CheckpointManager(**self.manager_kwargs(ctx))
+
+    def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
+        return dict(
             session_id=ctx.session,
             store_root=ctx.store_root,
             replication_factor=ctx.replication_factor,
@@ -97,16 +100,6 @@ class ServiceSystem(EmbeddedSystem):
     def start_nodes(cls, cluster) -> _NodeDaemons:
         return _NodeDaemons(cluster)
 
-    def setup(self, ctx: RankContext) -> None:
-        logging.getLogger("resilient_ckpt").setLevel(logging.ERROR)
-        os.environ.update(ctx.services["env"])
-        self.manager = CheckpointManager(
-            session_id=ctx.session,
-            store_root=ctx.store_root,
-            replication_factor=ctx.replication_factor,
-            ranks_per_node=ctx.ranks_per_node,
-            parallelization_group=ctx.dp_group,
-            timeout_s=300,
-            mode="service",
-            endpoint=ctx.services["endpoints"][ctx.node],
-        )
+    def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
+        os.environ.update(ctx.services["env"])  # the job secret for the daemon client
+        return dict(super().manager_kwargs(ctx), mode="service", endpoint=ctx.services["endpoints"][ctx.node])
