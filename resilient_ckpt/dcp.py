@@ -932,17 +932,7 @@ class ResilientLoadPlanner(LoadPlanner):
         md = self.metadata.state_dict_metadata
         for fqn, chunks in self._chunks.items():
             items.extend(create_read_items_for_chunk_list(fqn, md[fqn], chunks))
-        for fqn in self._value_setters:
-            items.append(
-                ReadItem(
-                    type=LoadItemType.BYTE_IO,
-                    dest_index=MetadataIndex(fqn),
-                    dest_offsets=torch.Size([0]),
-                    storage_index=MetadataIndex(fqn),
-                    storage_offsets=torch.Size([0]),
-                    lengths=torch.Size([0]),
-                )
-            )
+        items.extend(_value_read_item(fqn) for fqn in self._value_setters)
         return LoadPlan(items)
 
     def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
@@ -1316,19 +1306,20 @@ def read_values(
     if missing:
         raise ValidationError(f"checkpoint has no value entries {missing[:_MAX_REPORTED]}")
     planner = _ValueCollector(allow_pickle, raw)
-    items = [
-        ReadItem(
-            type=LoadItemType.BYTE_IO,
-            dest_index=MetadataIndex(f),
-            dest_offsets=torch.Size([0]),
-            storage_index=MetadataIndex(f),
-            storage_offsets=torch.Size([0]),
-            lengths=torch.Size([0]),
-        )
-        for f in fqns
-    ]
-    reader.read_data(LoadPlan(items), planner).wait()
+    reader.read_data(LoadPlan([_value_read_item(f) for f in fqns]), planner).wait()
     return planner.values
+
+
+def _value_read_item(fqn: str) -> ReadItem:
+    """A read of a whole non-tensor (bytes) entry."""
+    return ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=MetadataIndex(fqn),
+        dest_offsets=torch.Size([0]),
+        storage_index=MetadataIndex(fqn),
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([0]),
+    )
 
 
 class PassiveLoadPlanner(LoadPlanner):

@@ -148,7 +148,9 @@ class BaselineSystem:
         self.queue = AsyncCallsQueue(persistent=False)
         self.cached_metadata: Optional[Any] = None
 
-    def save(self, state: Dict[str, Any], iteration: int) -> SaveHandle:
+    def _request(self, state: Dict[str, Any], iteration: int):
+        """Megatron-LM's local save: build the state dict (cached distribution), then
+        ``LocalCheckpointManager.save(is_async=True)``; returns (request, saved bytes, details)."""
         t0 = time.perf_counter()
         tasd, self.cached_metadata = MCoreTensorAwareStateDict.from_state_dict(
             state, algo="fully_parallel", parallelization_group=self.group,
@@ -158,15 +160,18 @@ class BaselineSystem:
         t1 = time.perf_counter()
         request = self.manager.save(tasd, iteration, is_async=True)
         t2 = time.perf_counter()
+        return request, saved, {"from_state_dict_s": t1 - t0, "replicate_and_clone_s": t2 - t1}
+
+    def save(self, state: Dict[str, Any], iteration: int) -> SaveHandle:
+        request, saved, details = self._request(state, iteration)
         marks: Dict[str, float] = {}
         # first finalize step: the writer process has been joined (for the breakdown only)
         request = request._replace(
             finalize_fns=[lambda: marks.setdefault("joined", time.perf_counter()),
                           *request.finalize_fns])
+        t2 = time.perf_counter()
         self.queue.schedule_async_request(request)
-        t3 = time.perf_counter()
-        details = {"from_state_dict_s": t1 - t0, "replicate_and_clone_s": t2 - t1,
-                   "fork_writer_s": t3 - t2}
+        details["fork_writer_s"] = time.perf_counter() - t2
 
         def wait() -> None:
             w0 = time.perf_counter()
@@ -204,16 +209,7 @@ class BaselineInlineSystem(BaselineSystem):
     name = "baseline-inline"
 
     def save(self, state: Dict[str, Any], iteration: int) -> SaveHandle:
-        t0 = time.perf_counter()
-        tasd, self.cached_metadata = MCoreTensorAwareStateDict.from_state_dict(
-            state, algo="fully_parallel", parallelization_group=self.group,
-            cached_metadata=self.cached_metadata,
-        )
-        saved = sum(t.nbytes for t in tasd.tensors)
-        t1 = time.perf_counter()
-        request = self.manager.save(tasd, iteration, is_async=True)
-        t2 = time.perf_counter()
-        details = {"from_state_dict_s": t1 - t0, "replicate_and_clone_s": t2 - t1}
+        request, saved, details = self._request(state, iteration)
 
         def wait() -> None:
             w0 = time.perf_counter()
