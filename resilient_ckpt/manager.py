@@ -323,8 +323,9 @@ class CheckpointManager:
                 # Built here so a rank whose state function raises still queues its (failed)
                 # job and votes: peers are told at once and job numbering stays in step.
                 state_dict = state_dict()
-            if isinstance(state_dict, MCoreTensorAwareStateDict):
-                tasd = state_dict
+            if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
+                # Megatron-LM hands Megatron-core's class to a LocalCheckpointManager.
+                tasd = MCoreTensorAwareStateDict.adapt(state_dict)
             else:
                 # First: when it is a collective (no cached distribution), every rank must reach
                 # it, also one whose own arguments are bad (it raises everywhere together).
@@ -885,6 +886,12 @@ class CheckpointManager:
 
 def _noop() -> None:
     return None
+
+
+def _is_foreign_tasd(obj: Any) -> bool:
+    from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+
+    return isinstance(obj, TensorAwareStateDict) and not isinstance(obj, MCoreTensorAwareStateDict)
 
 
 def _with_checksums(header: CheckpointHeader, segment: Segment) -> CheckpointHeader:

@@ -35,6 +35,7 @@ from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
+    adapt as _adapt_leaf,
     apply_factories_and_adapt,
     apply_factory_merges,
     is_factory,
@@ -290,6 +291,24 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def tensor_metadata(self) -> List[ShardedTensor]:
         """The saved shards' metadata, in the order of :attr:`tensors`."""
         return self._saved_sharded_tensors()
+
+    @classmethod
+    def adapt(cls, tasd: Any) -> "MCoreTensorAwareStateDict":
+        """Ours, unchanged; or Megatron-core's ``MCoreTensorAwareStateDict`` (what Megatron-LM
+        hands a local checkpoint manager) converted to ours: same common state, its ShardedTensors
+        adapted, the shards it kept data for are the saved ones. Tensors are not copied."""
+        if isinstance(tasd, cls):
+            return tasd
+        if not (hasattr(tasd, "common") and hasattr(tasd, "sharded_state_dict") and hasattr(tasd, "is_hollow")):
+            raise ValidationError(
+                f"expected a sharded state dict or an MCoreTensorAwareStateDict, got {type(tasd).__name__}"
+            )
+        if tasd.is_hollow:
+            raise HollowStateError(
+                f"{type(tasd).__name__} is hollow (its tensors were popped); insert them before saving"
+            )
+        sharded = map_leaves(_adapt_leaf, tasd.sharded_state_dict)
+        return cls(common=tasd.common, sharded_state_dict=sharded)
 
     def holding_nothing(self) -> "MCoreTensorAwareStateDict":
         """The same structure and common state, holding no tensors: for a rank whose own saved

@@ -88,3 +88,37 @@ def test_megatron_and_ours_restore_the_same_state_dict_and_ours_is_as_balanced(t
     for a, b in ((0, 2), (1, 3)):
         assert [out[a][2], out[b][2]] == out[a][4]
         assert [out[a][3], out[b][3]] == out[a][5]
+
+
+def _megatron_lm_local_ckpt_rank(ctx, tp):
+    """What Megatron-LM does with --non-persistent-ckpt-type local, our manager in place of
+    nvidia-resiliency-ext's LocalCheckpointManager: Megatron-core builds the state dict, the
+    manager saves / finds / loads it, Megatron-LM calls to_state_dict on what load() returns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.dist_checkpointing.tensor_aware_state_dict import (
+            MCoreTensorAwareStateDict as Theirs,
+        )
+    from resilient_ckpt.manager import CheckpointManager
+
+    r, w = ctx.rank, ctx.world_size
+    group = dp_group(ctx, tp)
+
+    def layout(empty=False):
+        return megatron_like(r, w, tp, step=3, empty=empty, use_mcore=True, mixed=False)
+
+    manager = CheckpointManager("megatron-lm", store_root=ctx.store_root, parallelization_group=group)
+    tasd, _ = Theirs.from_state_dict(layout(), parallelization_group=group)
+    assert manager.save(tasd, 3, is_async=False) is None
+    assert manager.find_latest() == 3
+    loaded, ckpt_id = manager.load()
+    out = loaded.to_state_dict(layout(empty=True), algo="fully_parallel", parallelization_group=group)
+    manager.close()
+    return same(out, plain_values(layout())), ckpt_id  # same(): "" when equal, else the difference
+
+
+@pytest.mark.multiprocess
+def test_megatron_lm_local_checkpointing_works_with_our_manager(tmp_root):
+    out = run_ranks(_megatron_lm_local_ckpt_rank, 4, tmp_root, ranks_per_node=2, args=(2,), timeout=120)
+    assert [o[0] for o in out] == [""] * 4, out
+    assert [o[1][:2] for o in out] == [(3, r) for r in range(4)]
