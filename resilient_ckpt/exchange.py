@@ -198,7 +198,9 @@ class _Scratch:
     def get(self, role: str, peer: int, n: int) -> torch.Tensor:
         buf = self._bufs.get((role, peer))
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, min(self.bucket_bytes, 1 << 26)), dtype=torch.uint8, device=self.dev)
+            # Exactly what this bucket needs (later, larger buckets grow it): never more, since
+            # under torch.use_deterministic_algorithms every allocation is also filled.
+            buf = torch.empty(n, dtype=torch.uint8, device=self.dev)
             self._bufs[(role, peer)] = buf
         return buf[:n]
 

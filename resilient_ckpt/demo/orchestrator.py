@@ -213,6 +213,9 @@ class Demo:
         fresh = [e for e in run2.events if e["event"] == "fresh_start"]
         if fresh or len(restored) != self.world:
             raise SystemExit(f"restart did not restore every rank: {fresh or restored}")
+        ready = [e["t"] for e in run2.events if e["event"] == "ready"]
+        if ready:
+            self.log(f"all {self.world} ranks up {max(ready) - t_restart:.2f}s after the restart began")
         for e in sorted(restored, key=lambda e: e["rank"]):
             self.log(
                 f"rank {e['rank']} restored iteration {e['iteration']} from {e['source']} "

@@ -130,6 +130,10 @@ def run(args: argparse.Namespace, emit, pause) -> int:
     manager = CheckpointManager(**manager_kwargs)
     hook = CheckpointHook(manager, every_n_steps=args.interval, state=state)
 
+    # Restore is timed from the moment every rank is up (process start-up is reported apart
+    # by the orchestrator); the first collective would otherwise absorb the slowest start.
+    dist.barrier()
+    emit(event="ready", rank=rank)
     t0 = time.time()
     start = hook.restore()
     if hook.restored_from:
