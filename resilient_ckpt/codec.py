@@ -335,12 +335,7 @@ class _Encoder:
             )
         if t is list:
             p.pack_array_header(len(x))
-            for i, v in enumerate(x):
-                try:
-                    self.enc(v, depth + 1)
-                except _Fail as e:
-                    e.path.append(i)
-                    raise
+            self.enc_items(x, depth)
             return
         if t is dict:
             self.enc_map(x.items(), len(x), depth)
@@ -348,12 +343,7 @@ class _Encoder:
         if t is tuple:
             p.pack_array_header(len(x) + 1)
             p.pack(_TAG[_X.TUPLE])
-            for i, v in enumerate(x):
-                try:
-                    self.enc(v, depth + 1)
-                except _Fail as e:
-                    e.path.append(i)
-                    raise
+            self.enc_items(x, depth)
             return
         handler = _ENCODERS.get(t)
         if handler is not None:
