@@ -622,12 +622,13 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         tier = self._persistent_tier()
+        holdings = None
         if tier is not None:
-            out = self._maybe_load_persistent(tier, template, t0)
+            out, holdings = self._maybe_load_persistent(tier, template, t0)
             if out is not None:
                 return out
         targets = template_targets(template) if template is not None else {}
-        retrieved, iteration = self._retrieve_latest(borrow=True, targets=targets)
+        retrieved, iteration = self._retrieve_latest(borrow=True, targets=targets, holdings=holdings)
         if retrieved is None:
             return None
         tasd = self._decode(retrieved, iteration)
@@ -690,12 +691,17 @@ class CheckpointManager:
                 )
         return gather_holdings(self.store, group, self.world_size)
 
-    def _maybe_load_persistent(self, tier, template, t0: float) -> Optional[Tuple[Any, int]]:
-        """Load from the persistent tier if it is newer than memory (decided collectively)."""
-        in_memory = self.find_latest()
+    def _maybe_load_persistent(self, tier, template, t0: float) -> Tuple[Optional[Tuple[Any, int]], Holdings]:
+        """Load from the persistent tier if it is newer than memory (decided collectively).
+        Returns (result or None, the gathered holdings, reused by the memory path)."""
+        self.wait_for_saves()
+        holdings = self._holdings()
+        self._raise_if_only_foreign(holdings)
+        complete = holdings.complete_iterations(self.world_size)
+        in_memory = complete[0] if complete else -1
         durable = tier.agreed_latest()
         if durable is None or durable.iteration <= in_memory:
-            return None
+            return None, holdings
         if in_memory < 0:
             logger.warning(
                 "no complete in-memory checkpoint; restoring iteration %d from the persistent tier %s",
@@ -703,7 +709,7 @@ class CheckpointManager:
             )
         out = tier.load(template, self.parallelization_group)
         if out is None:
-            return None
+            return None, holdings
         iteration = out[1]
         self._drop_abandoned(newer_than=iteration)
         self._last_saved = iteration
@@ -717,13 +723,16 @@ class CheckpointManager:
             bytes_read=getattr(report, "bytes_read", 0) if report is not None else 0,
             attempts=1,
         )
-        return out
+        return out, holdings
 
-    def _retrieve_latest(self, borrow: bool = False, targets=None) -> Tuple[Optional[Retrieved], int]:
+    def _retrieve_latest(
+        self, borrow: bool = False, targets=None, holdings: Optional[Holdings] = None
+    ) -> Tuple[Optional[Retrieved], int]:
         self.wait_for_saves()
         group = self._ckpt_group()
-        holdings = gather_holdings(self.store, group, self.world_size)
-        self._raise_if_only_foreign(holdings)
+        if holdings is None:  # else gathered just before, after the same drain
+            holdings = gather_holdings(self.store, group, self.world_size)
+            self._raise_if_only_foreign(holdings)
         complete = holdings.complete_iterations(self.world_size)
         if not complete:
             self.latest_iteration = -1
