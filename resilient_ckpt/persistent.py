@@ -111,7 +111,7 @@ from .errors import (
     ValidationError,
 )
 from .mapping import ShardedObject, apply_factory_merges
-from .nested import HOLE, fill_holes, map_leaves, map_leaves_inplace, merge, split
+from .nested import fill_holes, map_leaves, map_leaves_inplace, merge, split
 from .store import CheckpointId, CheckpointStore
 
 logger = logging.getLogger(__name__)

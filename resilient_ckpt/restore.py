@@ -299,7 +299,7 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
                     )
                 return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1,
                                  borrowed=True, arena=arena, hollow=hollow), failures
-            header, arena, nread = _read_local(store, cid, borrow)
+            header, arena, nread = _read_local(store, cid)
         else:
             raw = remote.get("header", b"")
             if not raw:
@@ -346,14 +346,10 @@ class _NullMap:
         pass
 
 
-def _read_local(store: CheckpointStore, cid: CheckpointId, borrow: bool):
-    """The node store's copy: a read-only view of its segment (``borrow``: nothing is copied
-    or allocated here; the caller copies what it keeps), or a private copy."""
+def _read_local(store: CheckpointStore, cid: CheckpointId):
+    """A private copy of the node store's checkpoint (borrow mode uses _read_local_into)."""
     reader = store.open(cid)
     n = reader.header.data_nbytes
-    if borrow:
-        _m, arena = _map_readonly(reader)
-        return reader.header, arena, n
     arena = torch.empty(n, dtype=torch.uint8)
     if n:
         reader.read_range(0, checksum.byte_view(arena))

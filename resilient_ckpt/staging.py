@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 

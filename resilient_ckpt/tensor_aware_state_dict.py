@@ -41,7 +41,7 @@ from .mapping import (
     is_factory,
     is_sharded,
 )
-from .nested import HOLE, fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
+from .nested import fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
 from .validation import (
     StrictHandling,
     apply_strictness,
