@@ -103,12 +103,20 @@ def _node_listing(root: str, keep: Path):
     ids = sorted(
         (int(p.name[5:25]), int(p.name[32:38])) for p in d.iterdir() if p.name.endswith(".hdr")
     )
-    files = [p for p in list(d.iterdir()) + list((d / "free").iterdir()) if p.name.endswith(".data")]
     keep.mkdir(exist_ok=True)
-    for p in files:
-        if not (keep / str(p.stat().st_ino)).exists():
-            os.link(p, keep / str(p.stat().st_ino))
-    return ids, sorted(p.stat().st_ino for p in files)
+    while True:
+        # The managers' prefetchers may rename a pooled segment (seg_* -> rsv_*) at any time
+        # after a save completed: list again until one listing holds still. Inodes do not
+        # change with a rename, so the set is the same whatever names it was seen under.
+        files = [p for p in list(d.iterdir()) + list((d / "free").iterdir()) if p.name.endswith(".data")]
+        try:
+            inodes = {p: p.stat().st_ino for p in files}
+            for p, ino in inodes.items():
+                if not (keep / str(ino)).exists():
+                    os.link(p, keep / str(ino))
+        except FileNotFoundError:
+            continue
+        return ids, sorted(inodes.values())
 
 
 def _copy_stores(src: Path, dst: Path) -> Path:
