@@ -13,7 +13,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointingException, CollectiveTimeoutError
+from .errors import CheckpointingException, CollectiveTimeoutError, PeerFailedError
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
@@ -99,3 +99,65 @@ def all_reduce_int(value: int, op: str, group: Optional[dist.ProcessGroup] = Non
 def all_agree(ok: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
     """True iff every rank passed ``ok=True``; all ranks learn the same answer."""
     return all_reduce_int(1 if ok else 0, "min", group) == 1
+
+
+# ---- fail together ------------------------------------------------------------------------
+#
+# A step that every rank takes together (a gather, a plan, a restore) may fail on one rank
+# only: a state function raises, a template does not match, a file is unreadable. If that rank
+# simply raised, its peers would sit in the step's next collective until the group's timeout,
+# and the collective would then pair with whatever that rank does next. Instead every local
+# failure travels with the step's collective and every rank raises together: the one
+# mechanism below, used by every collective step of save and restore.
+
+
+def describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"[:2000]
+
+
+def _raise_together(errors: List[Any], what: str, local: Optional[BaseException], group) -> None:
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return
+    if local is not None:
+        raise local
+    r, msg = failed[0]
+    r = global_rank(group, r)
+    more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    raise PeerFailedError(
+        f"{what} failed on rank {r}{more}, so every rank stops: {msg}", rank=r, reason=msg
+    )
+
+
+def fail_together(
+    local: Optional[BaseException], what: str, group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """A barrier that carries failures: returns on every rank if no rank passed an error,
+    else raises on every rank — the failing rank its own exception, the others a
+    :class:`PeerFailedError` naming the first failing rank and its error.
+
+    One all-reduce when every rank is fine; a second collective (the messages) only on failure.
+    """
+    if group_size(group) == 1:
+        if local is not None:
+            raise local
+        return
+    if all_agree(local is None, group):
+        return
+    errors = all_gather_msgpack("" if local is None else describe(local), group)
+    _raise_together(errors, what, local, group)
+
+
+def gather_or_fail(
+    payload: Any,
+    local: Optional[BaseException],
+    what: str,
+    group: Optional[dist.ProcessGroup] = None,
+) -> List[Any]:
+    """All-gather of ``payload`` (msgpack-able) that doubles as :func:`fail_together`: a rank
+    whose preparation failed passes ``local`` (its payload is then ignored) and every rank
+    raises together; else every rank's payload in group-rank order."""
+    mine = {"e": describe(local), "p": None} if local is not None else {"e": "", "p": payload}
+    gathered = all_gather_msgpack(mine, group) if group_size(group) > 1 else [mine]
+    _raise_together([g["e"] for g in gathered], what, local, group)
+    return [g["p"] for g in gathered]

@@ -54,3 +54,15 @@ class CollectiveTimeoutError(CheckpointingException, TimeoutError):
 
 class NoReplicaError(ReplicationError):
     """No live holder can serve some rank's checkpoint (all replicas lost or corrupt)."""
+
+
+class PeerFailedError(CheckpointingException):
+    """Another rank failed a step that every rank takes together; this rank stops with it.
+
+    ``rank`` is the (global) rank that failed first and ``reason`` its error, so every rank
+    reports the same cause."""
+
+    def __init__(self, message: str, rank: int = -1, reason: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason

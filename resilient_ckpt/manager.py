@@ -30,7 +30,8 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,17 +43,18 @@ from .errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
     NoReplicaError,
+    PeerFailedError,
     ReplicationError,
     StoreError,
     ValidationError,
 )
-from .replication.placement import Placement, clique_placement, ring_placement
+from .replication.placement import Placement, clique_placement, plan_retrieval, ring_placement
 from .replication.peer import PeerReplicator
 from .replication.transport import P2PTransport, new_checkpoint_group
 from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
 from .staging import SegmentPrefetcher, Stager, StagingHandle
 from .store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore, Segment, plan_layout
-from .tensor_aware_state_dict import MCoreTensorAwareStateDict, template_targets
+from .tensor_aware_state_dict import MCoreTensorAwareStateDict, check_restorable, template_targets
 from .nested import map_leaves
 from .validation import StrictHandling
 
@@ -93,6 +95,9 @@ class LoadMetrics:
     bytes_read: int = 0
     attempts: int = 0
     failed_copies: List[Tuple[int, int]] = field(default_factory=list)
+    #: when nothing could be restored although memory held part of a checkpoint: the owner
+    #: ranks whose data was missing from the newest iteration
+    missing_owners: List[int] = field(default_factory=list)
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -229,6 +234,8 @@ class CheckpointManager:
         self._prefetcher = SegmentPrefetcher(self.store, pin=torch.cuda.is_available())
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-save")
         self._group: Optional[dist.ProcessGroup] = None
+        self._control: Optional[dist.ProcessGroup] = None
+        self._par_group: Optional[dist.ProcessGroup] = None
         self._transport: Optional[P2PTransport] = None
         self._replicator = None
         self._distribution: Optional[ShardDistribution] = None
@@ -240,6 +247,12 @@ class CheckpointManager:
         #: failures up to this sequence number were already acted on
         self._dist_checked_upto = -1
         self._last_saved = -1
+        #: "tasd" or "dict": what save_local was given (decides whether a save is collective)
+        self._kind: Optional[str] = None
+        #: a checkpoint was restored (or looked up for loading) by this manager
+        self._restored = False
+        #: a save was started by this manager
+        self._started = False
         self._complete: List[int] = []
         self._lock = threading.Lock()
         self.latest_iteration = -1  # nvidia-resiliency-ext attribute name
@@ -267,14 +280,50 @@ class CheckpointManager:
     # ---- groups ------------------------------------------------------------------------------
 
     def _ckpt_group(self):
-        """Created on first use (collective: every rank saves/loads together)."""
+        """The manager's data group (replication, agreement votes: the save thread), created
+        on first use with the control and parallelization groups (collective: every rank
+        saves/loads together)."""
         self._persistent_tier()
         if self._group is None and dist.is_initialized() and self.world_size > 1:
             self._group = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
+            # Collectives of the calling thread (votes, holdings, distribution, restore) run on a
+            # group of their own: the save thread may be in the middle of the previous save's
+            # exchange on the data group, and two threads must never interleave on one group.
+            self._control = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
+            self._par_group = self._mirror_parallelization_group()
             self._transport = P2PTransport(self._group, timeout=self.timeout_s)
             if self._replicator is None:
                 self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)
         return self._group
+
+    def _control_group(self):
+        """Group of every rank for the calling thread's collectives (see ``_ckpt_group``)."""
+        self._ckpt_group()
+        return self._control
+
+    def _parallel_group(self):
+        """The checkpoint's own copy of ``parallelization_group`` (same ranks, this manager's
+        backend and timeout): dedup on save and the load exchange never run on the job's
+        groups, so a stuck peer surfaces after ``timeout_s`` and a failure cannot leave the
+        job's own collectives mismatched."""
+        self._ckpt_group()
+        return self._par_group
+
+    def _mirror_parallelization_group(self):
+        pg = self.parallelization_group
+        if pg is None or collectives.group_size(pg) == self.world_size and _is_world(pg):
+            return self._control
+        mine = sorted(dist.get_process_group_ranks(pg))
+        # Every rank must create every group, in the same order (dist.new_group is collective
+        # over the world): gather each rank's member list first.
+        everyone = collectives.all_gather_msgpack(mine, self._control)
+        out = None
+        for ranks in sorted({tuple(r) for r in everyone}):
+            g = dist.new_group(list(ranks), timeout=timedelta(seconds=self.timeout_s),
+                               backend=self.replication_backend)
+            if list(ranks) == mine:
+                out = g
+        return out
 
     def _persistent_tier(self):
         """The persistent tier, built on first use (collective: it creates its own group)."""
@@ -313,29 +362,51 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._bound_queue()
         group = self._ckpt_group()
+        control = self._control_group()
         seq = self._seq
         self._seq += 1
         self._refresh_distribution(seq)
         segment: Optional[Segment] = None
         staging: Optional[StagingHandle] = None
+        # A save whose distribution is not cached is a collective step on this thread (the
+        # distribution gather; the first save also sizes up an earlier run's data). Every rank
+        # votes before it, so a rank whose state function or arguments fail takes every rank
+        # out of the step together instead of leaving them in the gather (same decision on all
+        # ranks: the cache is dropped in step and the kind of state is the same every save).
+        collective = self._distribution is None and self._kind != "tasd"
         try:
-            if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
-                # Built here so a rank whose state function raises still queues its (failed)
-                # job and votes: peers are told at once and job numbering stays in step.
-                state_dict = state_dict()
+            local: Optional[BaseException] = None
+            try:
+                if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
+                    # Built here so a rank whose state function raises still queues its (failed)
+                    # job and votes: peers are told at once and job numbering stays in step.
+                    state_dict = state_dict()
+                self._check_iteration(iteration)
+            except BaseException as e:
+                local = e
+            if collective:
+                collectives.fail_together(local, f"preparing the save of iteration {iteration}", control)
+            elif local is not None:
+                raise local
+            if not self._restored and not self._started:
+                self._retire_earlier_run(iteration, control)
+            self._started = True
             if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
                 # Megatron-LM hands Megatron-core's class to a LocalCheckpointManager.
                 tasd = MCoreTensorAwareStateDict.adapt(state_dict)
+                self._kind = "tasd"
             else:
-                # First: when it is a collective (no cached distribution), every rank must reach
-                # it, also one whose own arguments are bad (it raises everywhere together).
+                # When it is a collective (no cached distribution), every rank reaches it (the
+                # vote above), and a bad state dict on one rank raises everywhere together.
                 tasd, dist_ = MCoreTensorAwareStateDict.from_state_dict(
                     state_dict,
                     algo="fully_parallel",
-                    parallelization_group=self.parallelization_group,
+                    parallelization_group=self._parallel_group(),
                     cached_metadata=self._distribution,
+                    validation_group=control,
                 )
                 self._distribution = dist_ or self._distribution
+                self._kind = "dict"
             self._check_iteration(iteration)
             tensors = list(tasd.tensors)
             layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
@@ -387,6 +458,37 @@ class CheckpointManager:
             handle.wait_staged()
             handle.wait()
         return handle
+
+    def _retire_earlier_run(self, iteration: int, control) -> None:
+        """First save of a job that did not restore: it starts fresh on purpose, so this
+        session's checkpoints at ``iteration`` or newer are an earlier run's and would shadow
+        the new run's saves (a later restore would return the old run's newer iteration).
+        They are retired before this save claims anything; older ones age out through
+        retention once the new run's saves complete. Collective (this thread's group)."""
+        holdings = gather_holdings(self.store, control, self.world_size)
+        stale = sorted({k for per in holdings.ids for k in per if k[0] >= iteration})
+        if not stale:
+            return
+        local: Optional[BaseException] = None
+        # One rank per node store removes that node's files; the vote below orders it before
+        # any rank's claim.
+        leader = min(r for r, k in enumerate(holdings.store_keys) if k == holdings.store_keys[self.rank])
+        if leader == self.rank:
+            mine = holdings.ids[self.rank]
+            try:
+                for it, owner in stale:
+                    if (it, owner) in mine:
+                        self.store.discard(CheckpointId(it, owner, self.session_id))
+            except OSError as e:
+                local = e
+        if self.rank == 0:
+            logger.warning(
+                "session %r: this job did not restore before saving iteration %d, so it starts "
+                "fresh; retiring iterations %s of an earlier run held in memory (call load_local() "
+                "or CheckpointHook.restore() before the first save to resume them instead)",
+                self.session_id, iteration, sorted({it for it, _ in stale}),
+            )
+        collectives.fail_together(local, "retiring an earlier run's checkpoints", control)
 
     def _refresh_distribution(self, seq: int) -> None:
         """Drop the cached distribution if a save up to ``seq - 2`` failed (a structure change
@@ -580,9 +682,8 @@ class CheckpointManager:
 
     # ---- find / load -------------------------------------------------------------------------
 
-    def _holdings(self) -> Holdings:
-        group = self._ckpt_group()
-        return gather_holdings(self.store, group, self.world_size)
+    def _holdings(self, failure: Optional[BaseException] = None) -> Holdings:
+        return gather_holdings(self.store, self._control_group(), self.world_size, failure)
 
     def find_latest(self) -> int:
         """Newest iteration whose every rank's data is held somewhere (collective); -1 if none."""
@@ -621,39 +722,53 @@ class CheckpointManager:
         (``last_load_metrics.source == "persistent"``).
         """
         t0 = time.perf_counter()
+        # Local steps that may fail on one rank only travel with the next collective, so every
+        # rank stops together (never a peer left in a gather until a timeout).
+        local: Optional[BaseException] = None
+        try:
+            targets = template_targets(template) if template is not None else {}
+        except Exception as e:
+            local, targets = e, {}
         tier = self._persistent_tier()
         holdings = None
         if tier is not None:
-            out, holdings = self._maybe_load_persistent(tier, template, t0)
+            out, holdings = self._maybe_load_persistent(tier, template, t0, local)
             if out is not None:
                 return out
-        targets = template_targets(template) if template is not None else {}
-        retrieved, iteration = self._retrieve_latest(borrow=True, targets=targets, holdings=holdings)
+        retrieved, iteration = self._retrieve_latest(
+            borrow=True, targets=targets, holdings=holdings, failure=local,
+            template=template, strict=strict,
+        )
         if retrieved is None:
             return None
         tasd = self._decode(retrieved, iteration)
-        # Replicas of lost ranks that this rank verified: it serves their shards below.
-        extra = {}
-        for hdr, views in retrieved.serving.values():
-            replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
-            extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
-        # Shards the template needs that this rank did not save but a replica in this node's
-        # store holds (ring placement puts the previous node's ranks here: typically half of
-        # the data-parallel replicated shards): read locally, not over the network.
-        if targets and retrieved.served_by is None:
-            own = {st.shard_id for st in tasd.tensor_metadata}
-            wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
-            if wanted:
-                extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
+        extra: Dict[Any, torch.Tensor] = {}
+        try:
+            # Replicas of lost ranks that this rank verified: it serves their shards below.
+            for hdr, views in retrieved.serving.values():
+                replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
+                extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
+            # Shards the template needs that this rank did not save but a replica in this
+            # node's store holds (ring placement puts the previous node's ranks here: typically
+            # half of the data-parallel replicated shards): read locally, not over the network.
+            if targets and retrieved.served_by is None:
+                own = {st.shard_id for st in tasd.tensor_metadata}
+                wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
+                if wanted:
+                    extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
+        except Exception as e:
+            local = e
+        collectives.fail_together(local, f"restoring iteration {iteration}", self._control_group())
         t1 = time.perf_counter()
         state = tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
             algo="fully_parallel",
             exchange_algo=self.exchange_algo,
-            parallelization_group=self.parallelization_group,
+            parallelization_group=self._parallel_group(),
             strict=strict,
             load_into_template=True,
             extra_held=extra,
+            validation_group=self._control_group(),
         )
         borrowed = retrieved.borrowed_storages()
         if borrowed:
@@ -675,6 +790,61 @@ class CheckpointManager:
         )
         return state, iteration
 
+    def _check_template(self, holdings: Holdings, iteration: int, template: Any, strict) -> None:
+        """Collective: raise on every rank, before anything is read into ``template``, if
+        restoring ``iteration`` into it would fail a check (keys, shapes, dtypes, layout).
+        Each rank vouches for the checkpoints the retrieval plan has it serve, read from its
+        node's store (headers only); if any rank cannot read one, the checks run later, as
+        part of the load, instead."""
+        saved: Optional[List[MCoreTensorAwareStateDict]] = []
+        try:
+            plan = plan_retrieval(
+                {r: r for r in range(self.world_size)}, holdings.available(iteration),
+                holdings.node_of, holdings.nbytes(iteration),
+            )
+            for f in plan:
+                if f.source == self.rank:
+                    header = self.store.read_header(CheckpointId(iteration, f.owner, self.session_id))
+                    saved.append(MCoreTensorAwareStateDict.from_bytes(header.meta))
+        except (CheckpointingException, OSError) as e:
+            logger.debug("cannot vouch for iteration %d before restoring it: %s", iteration, e)
+            saved = None
+        check_restorable(template, saved, self._parallel_group(), strict,
+                         validation_group=self._control_group())
+
+    def _warn_unrestorable(self, holdings: Holdings) -> None:
+        """Memory holds none of this job's checkpoints in full: say so loudly when it holds
+        part of one (a node lost with its only copy) — progress is lost unless a fallback has
+        it. Same facts on every rank, so the same warning everywhere."""
+        held: Dict[int, Set[int]] = {}
+        for per in holdings.ids:
+            for it, owner in per:
+                held.setdefault(it, set()).add(owner)
+        if held:
+            newest = max(held)
+            missing = sorted(set(range(self.world_size)) - held[newest])
+            self.last_load_metrics = LoadMetrics(source="none", missing_owners=missing, iteration=-1)
+            fallback = (
+                f"the persistent tier {self._tier.directory} is tried first" if self._tier is not None
+                else "no persistent tier is configured (CheckpointManager(persistent_dir=...))"
+            )
+            logger.warning(
+                "session %r: memory holds iterations %s but none completely: the newest, %d, "
+                "lacks the data of ranks %s (their node and every replica are gone; "
+                "replication_factor=%d). Nothing can be restored from memory; %s — restore from "
+                "your own checkpoint or the run restarts from scratch",
+                self.session_id, sorted(held, reverse=True)[:5], newest, _ranges(missing),
+                self.placement.replication_factor, fallback,
+            )
+            return
+        others = self.store.other_sessions()
+        if others:
+            logger.warning(
+                "no complete checkpoint of session %r in %s; the same root holds checkpoints "
+                "of sessions %s (pass session_id=... to restore one of them)",
+                self.session_id, self.store.root, others[:5],
+            )
+
     def _pull_missing(self, holdings: Holdings, iteration: int, group) -> Holdings:
         """Service mode: ask this node's daemon to pull this rank's checkpoint from a peer
         daemon when the node's store lacks it (a replacement node), then re-gather holdings
@@ -691,11 +861,13 @@ class CheckpointManager:
                 )
         return gather_holdings(self.store, group, self.world_size)
 
-    def _maybe_load_persistent(self, tier, template, t0: float) -> Tuple[Optional[Tuple[Any, int]], Holdings]:
+    def _maybe_load_persistent(
+        self, tier, template, t0: float, failure: Optional[BaseException] = None
+    ) -> Tuple[Optional[Tuple[Any, int]], Holdings]:
         """Load from the persistent tier if it is newer than memory (decided collectively).
         Returns (result or None, the gathered holdings, reused by the memory path)."""
         self.wait_for_saves()
-        holdings = self._holdings()
+        holdings = self._holdings(failure)
         self._raise_if_only_foreign(holdings)
         complete = holdings.complete_iterations(self.world_size)
         in_memory = complete[0] if complete else -1
@@ -707,10 +879,11 @@ class CheckpointManager:
                 "no complete in-memory checkpoint; restoring iteration %d from the persistent tier %s",
                 durable.iteration, tier.directory,
             )
-        out = tier.load(template, self.parallelization_group)
+        out = tier.load(template, self._parallel_group())
         if out is None:
             return None, holdings
         iteration = out[1]
+        self._restored = True
         self._drop_abandoned(newer_than=iteration)
         self._last_saved = iteration
         self.latest_iteration = iteration
@@ -726,23 +899,23 @@ class CheckpointManager:
         return out, holdings
 
     def _retrieve_latest(
-        self, borrow: bool = False, targets=None, holdings: Optional[Holdings] = None
+        self,
+        borrow: bool = False,
+        targets=None,
+        holdings: Optional[Holdings] = None,
+        failure: Optional[BaseException] = None,
+        template: Any = None,
+        strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     ) -> Tuple[Optional[Retrieved], int]:
         self.wait_for_saves()
-        group = self._ckpt_group()
+        control = self._control_group()
         if holdings is None:  # else gathered just before, after the same drain
-            holdings = gather_holdings(self.store, group, self.world_size)
+            holdings = gather_holdings(self.store, control, self.world_size, failure)
             self._raise_if_only_foreign(holdings)
         complete = holdings.complete_iterations(self.world_size)
         if not complete:
             self.latest_iteration = -1
-            others = self.store.other_sessions()
-            if others:
-                logger.warning(
-                    "no complete checkpoint of session %r in %s; the same root holds checkpoints "
-                    "of sessions %s (pass session_id=... to restore one of them)",
-                    self.session_id, self.store.root, others[:5],
-                )
+            self._warn_unrestorable(holdings)
             return None, -1
         # Everyone has drained its saves (the gather above is after each rank's drain), so
         # headerless data files are leftovers of a crashed save. The collectives of retrieve()
@@ -755,10 +928,14 @@ class CheckpointManager:
         for iteration in complete:
             self._drop_abandoned(newer_than=iteration)
             if self._client is not None:
-                holdings = self._pull_missing(holdings, iteration, group)
+                holdings = self._pull_missing(holdings, iteration, control)
+            if template is not None:
+                # Before any byte lands in the template: a restore that cannot succeed leaves
+                # the caller's tensors untouched on every rank.
+                self._check_template(holdings, iteration, template, strict)
             try:
                 retrieved = retrieve(
-                    self.store, holdings, iteration, group, self._transport, self.rank,
+                    self.store, holdings, iteration, control, self._transport, self.rank,
                     self.world_size, borrow=borrow, targets=targets,
                 )
                 break
@@ -774,6 +951,7 @@ class CheckpointManager:
                 f"no complete iteration could be restored (tried {complete}); last error: "
                 f"{last_error}"
             ) from last_error
+        self._restored = True
         self.latest_iteration = iteration
         # The restored iteration defines the timeline (also for an in-process restart): newer
         # ones were abandoned above, so the trainer may save those iteration numbers again.
@@ -859,19 +1037,22 @@ class CheckpointManager:
                 _restore_devices(tasd)
         except Exception as e:
             local = e
-        mine = "" if local is None else f"{type(local).__name__}: {local}"
-        group = self._ckpt_group()
-        errors = collectives.all_gather_msgpack(mine, group) if group is not None else [mine]
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            r, msg = bad[0]
-            raise CheckpointingException(
-                f"rank {r} could not rebuild its state dict from iteration {iteration}: {msg}; "
-                "every rank stops (the checkpoint was written by an incompatible resilient_ckpt "
-                "or with a type this process has not registered)"
-            ) from local
-        assert tasd is not None
-        return tasd
+        try:
+            collectives.gather_or_fail(None, local, f"rebuilding the state dict of iteration {iteration}",
+                                       self._control_group())
+            assert tasd is not None
+            return tasd
+        except PeerFailedError as e:
+            rank, reason = e.rank, e.reason
+        except Exception:
+            if local is None:
+                raise
+            rank, reason = self.rank, collectives.describe(local)
+        raise CheckpointingException(
+            f"rank {rank} could not rebuild its state dict from iteration {iteration}: "
+            f"{reason}; every rank stops (the checkpoint was written by an incompatible "
+            "resilient_ckpt or with a type this process has not registered)"
+        ) from local
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -891,6 +1072,21 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ranges(ranks: List[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5' (lists of lost ranks get long)."""
+    out: List[str] = []
+    for r in ranks:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
+
+
+def _is_world(group) -> bool:
+    return group is dist.GroupMember.WORLD or group is dist.group.WORLD
 
 
 def _noop() -> None:

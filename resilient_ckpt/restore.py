@@ -82,8 +82,28 @@ def store_identity(store: CheckpointStore) -> str:
     return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
 
 
-def gather_holdings(store: CheckpointStore, group, world_size: int) -> Holdings:
-    """One all-gather of every rank's view of its node store (headers parsed, not data)."""
+def gather_holdings(
+    store: CheckpointStore, group, world_size: int, failure: Optional[BaseException] = None
+) -> Holdings:
+    """One all-gather of every rank's view of its node store (headers parsed, not data).
+
+    ``failure``: this rank already failed the step this gather belongs to; every rank raises
+    together (see :func:`collectives.gather_or_fail`)."""
+    local = None
+    if failure is None:
+        try:
+            local = _scan_holdings(store, world_size)
+        except Exception as e:  # a local problem fails every rank together, never a hang
+            failure = e
+    gathered = collectives.gather_or_fail(local, failure, "listing the node stores", group)
+    return Holdings(
+        store_keys=tuple(g["store"] for g in gathered),
+        ids=tuple({(int(it), int(o)): int(n) for it, o, n in g["ids"]} for g in gathered),
+        foreign=tuple(tuple(g["foreign"]) for g in gathered),
+    )
+
+
+def _scan_holdings(store: CheckpointStore, world_size: int) -> dict:
     ids: Dict[Tuple[int, int], int] = {}
     foreign: List[str] = []
     for cid in store.list():
@@ -93,24 +113,18 @@ def gather_holdings(store: CheckpointStore, group, world_size: int) -> Holdings:
             foreign.append(str(e))
             continue
         except (CorruptCheckpointError, StoreError, OSError) as e:
-            # A local problem must not keep this rank from the gather below (peers would wait).
+            # A local problem must not keep this rank from the gather (peers would wait).
             logger.warning("ignoring unreadable checkpoint %s: %s", cid.stem(), e)
             continue
         if h.owner >= world_size:
             foreign.append(f"{cid.stem()}: owner rank {h.owner} outside world size {world_size}")
             continue
         ids[(cid.iteration, cid.owner)] = h.data_nbytes
-    local = {
+    return {
         "store": store_identity(store),
         "ids": [[it, o, n] for (it, o), n in sorted(ids.items())],
         "foreign": foreign[:5],
     }
-    gathered = collectives.all_gather_msgpack(local, group) if dist.is_initialized() else [local]
-    return Holdings(
-        store_keys=tuple(g["store"] for g in gathered),
-        ids=tuple({(int(it), int(o)): int(n) for it, o, n in g["ids"]} for g in gathered),
-        foreign=tuple(tuple(g["foreign"]) for g in gathered),
-    )
 
 
 @dataclass
@@ -183,14 +197,19 @@ def retrieve(
     for attempt in range(1, MAX_ATTEMPTS + 1):
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
-        result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow, serving,
-                                    targets)
+        local_exc: Optional[BaseException] = None
+        failures: List[Tuple[int, int]] = []
+        try:
+            result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow, serving,
+                                        targets)
+        except Exception as e:  # e.g. a peer died mid-transfer: every rank stops together
+            local_exc, result = e, None
         if result is not None and done is None:
             result.attempts = attempt
             done = result
         local_fail = [list(f) for f in failures]
-        gathered = (
-            collectives.all_gather_msgpack(local_fail, group) if dist.is_initialized() else [local_fail]
+        gathered = collectives.gather_or_fail(
+            local_fail, local_exc, f"retrieving iteration {iteration}", group
         )
         all_failed = {(int(s), int(o)) for per in gathered for s, o in per}
         if not all_failed:

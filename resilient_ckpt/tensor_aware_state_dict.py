@@ -118,18 +118,20 @@ def _my_global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _gather(payload: dict, group, world_scope: bool) -> Tuple[List[dict], List[dict]]:
+def _gather(payload: dict, group, world_scope: bool, scope_group=None) -> Tuple[List[dict], List[dict]]:
     """One all-gather of ``payload``: ``(scope, members)``.
 
-    ``members`` are the payloads of ``group`` in group-rank order. With ``world_scope`` and a
-    proper subgroup the gather runs over the whole world (``scope``) and ``members`` is picked
-    out of it, so validation sees every rank at the price of no extra collective.
+    ``members`` are the payloads of ``group`` in group-rank order. With ``world_scope`` the
+    gather runs over every rank of the job — on ``scope_group`` when given (a group of all
+    ranks in global-rank order, e.g. a checkpoint manager's own), else the world group — and
+    ``members`` is picked out of it, so validation sees every rank at the price of no extra
+    collective.
     """
     if not dist.is_initialized():
         return [payload], [payload]
     n = collectives.group_size(group)
-    if world_scope and n != dist.get_world_size():
-        everyone = collectives.all_gather_msgpack(payload, None)
+    if world_scope and (n != dist.get_world_size() or (scope_group is not None and scope_group is not group)):
+        everyone = collectives.all_gather_msgpack(payload, scope_group)
         members = [everyone[collectives.global_rank(group, i)] for i in range(n)]
         return everyone, members
     if n == 1:
@@ -170,6 +172,79 @@ def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
         if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
             out.setdefault(st.shard_id, d)
     return out
+
+
+def _load_facts(template_shards, template_objects, held, held_objects, ckpt_keys, validate) -> dict:
+    """What one rank contributes to a load's gathered verdict: the shards it holds
+    (``(shard id, dtype name, shape)``), the template shards it needs from others, its
+    objects, the checkpoint keys it knows, the keys it requests, and (``validate``) the
+    template's records for the integrity check."""
+    held_ids = {sid for sid, _, _ in held}
+    held_oids = {o.object_id for o in held_objects}
+    facts = dict(
+        held=[[sid[0], list(sid[1]), dtype, list(shape)] for sid, dtype, shape in held],
+        need=[[st.key, list(st.global_offset), dtype_name(st.dtype),
+               list(st.local_shape), st.allow_shape_mismatch]
+              for st in template_shards if st.shard_id not in held_ids],
+        need_obj=[[o.key, list(o.global_offset), list(o.global_shape)]
+                  for o in template_objects if o.object_id not in held_oids],
+        held_obj=[[o.key, list(o.global_offset), list(o.global_shape)] for o in held_objects],
+        ckpt_keys=sorted(ckpt_keys),
+        requested=sorted({st.key for st in template_shards} | {o.key for o in template_objects}),
+        records=[], obj_records=[],
+    )
+    if validate:
+        facts["records"] = [list(shard_record(st)) for st in template_shards]
+        facts["obj_records"] = [list(object_record(o)) for o in template_objects]
+    return facts
+
+
+def check_restorable(
+    template: Any,
+    saved: Optional[Sequence["MCoreTensorAwareStateDict"]],
+    group: Optional[dist.ProcessGroup],
+    strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    validation_group: Optional[dist.ProcessGroup] = None,
+    local_error: Optional[BaseException] = None,
+) -> None:
+    """Decide, before any byte of a restore is written, whether :meth:`to_state_dict` into
+    ``template`` will pass its checks (collective over ``group``; ``validation_group`` as for
+    :meth:`MCoreTensorAwareStateDict.from_state_dict`).
+
+    ``saved``: hollow state dicts of the checkpoints this rank vouches for; across the ranks
+    every saved checkpoint of the iteration appears exactly once (which rank lists which does
+    not matter: the checks depend on their union; None: this rank cannot vouch for its share,
+    and every rank skips the checks, which then run inside the load). Every template shard counts as needed, so
+    its dtype and shape are checked against what was saved. Raises on every rank together
+    (a rank whose preparation failed passes ``local_error``)."""
+    group = _default_group(group)
+    local = {"rank": _my_global_rank(), "error": None, "unknown": saved is None}
+    saved = saved or []
+    try:
+        if local_error is not None:
+            raise local_error
+        strict = parse_strict_flag(strict)
+        sharded, *_ = _preprocess(template or {})
+        held = [(st.shard_id, dtype_name(st.dtype), tuple(st.local_shape))
+                for h in saved for st in h.tensor_metadata]
+        objects = [o for h in saved for o in _sharded_objects(h.sharded_state_dict)]
+        keys = {st.key for h in saved for st in _sharded_tensors(h.sharded_state_dict)}
+        keys |= {o.key for o in objects}
+        local.update(_load_facts(_sharded_tensors(sharded), _sharded_objects(sharded), held,
+                                 objects, keys, True))
+        # Every template shard is checked against the saved spec (held or not).
+        local["need"] = [[st.key, list(st.global_offset), dtype_name(st.dtype),
+                          list(st.local_shape), st.allow_shape_mismatch]
+                         for st in _sharded_tensors(sharded)]
+        local["need_obj"] = []
+    except Exception as e:  # reported to every rank below
+        local_error = e
+        local["error"] = f"{type(e).__name__}: {e}"
+    scope, members = _gather(local, group, world_scope=True, scope_group=validation_group)
+    _raise_first_error(scope, local_error)
+    if any(g["unknown"] for g in scope) or not any(g["requested"] for g in members):
+        return
+    _load_verdict(scope, members, collectives.group_rank(group), strict, True, True, _SilentLog)
 
 
 @dataclass
@@ -215,6 +290,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         algo: str = "fully_parallel",
         parallelization_group: Optional[dist.ProcessGroup] = None,
         cached_metadata: Optional[ShardDistribution] = None,
+        *,
+        validation_group: Optional[dist.ProcessGroup] = None,
     ) -> Tuple["MCoreTensorAwareStateDict", Optional[ShardDistribution]]:
         """Split common/sharded state; with ``fully_parallel`` keep only the shards this rank
         saves (balanced across ``parallelization_group``).
@@ -223,7 +300,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         validated job-wide, as Megatron does; the group's distribution is computed from the
         same data) and every rank raises together on a bad state dict. With
         ``cached_metadata`` (the distribution an earlier call returned) there is no collective.
-        The caller's ShardedTensors are never modified."""
+        The caller's ShardedTensors are never modified. ``validation_group`` (our extension): a
+        group of every rank, in global-rank order, for the job-wide gather instead of the world
+        group (a checkpoint manager passes its own, so a stuck peer surfaces after the
+        manager's timeout and the job's own groups are never used)."""
         fully_parallel = _check_algo(algo)
         group = _default_group(parallelization_group)
         n = collectives.group_size(group)
@@ -257,7 +337,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             payload["error"] = f"{type(e).__name__}: {e}"
         # Integrity is a property of the whole job (Megatron checks it over the world): a
         # data-parallel subgroup only sees part of each tensor-parallel tensor.
-        everyone, members = _gather(payload, group, world_scope=True)
+        everyone, members = _gather(payload, group, world_scope=True, scope_group=validation_group)
         _raise_first_error(everyone, local_exc)
         validate_sharding_integrity(
             [g["shards"] for g in everyone], [g["objects"] for g in everyone]
@@ -448,6 +528,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         *,
         load_into_template: bool = False,
         extra_held: Optional[Dict[Any, torch.Tensor]] = None,
+        validation_group: Optional[dist.ProcessGroup] = None,
     ):
         """Fill ``sharded_state_dict`` (the template) with this checkpoint's data.
 
@@ -456,7 +537,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         arrive there directly) and the result holds that tensor — no new allocation, which on
         restore is most of the cost (fresh pages), and the model is loaded as a side effect.
         ``extra_held`` (our extension): more shards this rank can serve, by shard id — e.g. the
-        tensors of a lost rank's replica kept on this rank's node.
+        tensors of a lost rank's replica kept on this rank's node. ``validation_group`` (our
+        extension): as for :meth:`from_state_dict`.
 
         With ``fully_parallel``, shards this rank did not save come from the ranks of
         ``parallelization_group`` that did. One metadata all-gather (over the world when
@@ -492,30 +574,19 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)} | {
                 o.key for o in held_objects.values()
             }
-            local.update(
-                held=[[sid[0], list(sid[1]), dtype_name(t.dtype), list(t.shape)]
-                      for sid, t in held.items()],
-                need=[[st.key, list(st.global_offset), dtype_name(st.dtype),
-                       list(st.local_shape), st.allow_shape_mismatch]
-                      for st in template_shards if st.shard_id not in held],
-                need_obj=[[o.key, list(o.global_offset), list(o.global_shape)]
-                          for o in template_objects if o.object_id not in held_objects],
-                held_obj=[[o.key, list(o.global_offset), list(o.global_shape)]
-                          for o in held_objects.values()],
-                ckpt_keys=sorted(ckpt_keys),
-                requested=sorted({st.key for st in template_shards}
-                                 | {o.key for o in template_objects}),
-            )
-            if validate_access_integrity:
-                local["records"] = [list(shard_record(st)) for st in template_shards]
-                local["obj_records"] = [list(object_record(o)) for o in template_objects]
+            local.update(_load_facts(
+                template_shards, template_objects,
+                [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in held.items()],
+                held_objects.values(), ckpt_keys, validate_access_integrity,
+            ))
             self._check_local_shapes(template_shards, held)
         except Exception as e:  # reported to every rank below
             local_exc = e
             local["error"] = f"{type(e).__name__}: {e}"
         # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
         # sees only part of each tensor-parallel tensor.
-        scope, members = _gather(local, group, world_scope=validate_access_integrity)
+        scope, members = _gather(local, group, world_scope=validate_access_integrity,
+                                 scope_group=validation_group)
         _raise_first_error(scope, local_exc)
         if not any(g["requested"] for g in members):
             # Nothing requested anywhere (Megatron returns the common state for an empty
@@ -523,59 +594,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             merge(result, nonpersistent)
             result = fill_holes(result)
             return (result, set(), set()) if return_mismatch_keys else result
-        if validate_access_integrity:
-            validate_sharding_integrity(
-                [g["records"] for g in scope], [g["obj_records"] for g in scope]
-            )
-        global_ckpt_keys = set().union(*(g["ckpt_keys"] for g in members))
-        plan, absent_shards = plan_exchange(members)
-        # Shards of keys the checkpoint has, but at offsets nobody saved: a sharding mismatch,
-        # never silently skipped.
-        for r, sids in sorted(absent_shards.items()):
-            bad = [s for s in sids if s[0] in global_ckpt_keys]
-            if bad:
-                raise ValidationError(
-                    f"rank {members[r]['rank']}: shard {bad[0][0]!r} at offset {bad[0][1]} is in "
-                    "no rank's checkpoint (parallel layout changed between save and load?); the "
-                    "layout at load must match the one at save"
-                )
-        if not fully_parallel:
-            # Atomic: a rank's checkpoint must hold every shard it asks for (the others are held
-            # by another rank, or the check above would have failed).
-            for r, g in enumerate(members):
-                absent = [x for x in g["need"] if x[0] in global_ckpt_keys]
-                if absent:
-                    raise ValidationError(
-                        f"rank {g['rank']}: shard {absent[0][0]!r} at offset {tuple(absent[0][1])} "
-                        "is not in this rank's checkpoint; load with algo='fully_parallel' to "
-                        "fetch it from the rank that saved it"
-                    )
-        # Shards that will arrive from another rank must be what the template asks for.
-        for g in members:
-            for key, off, dtype, shape, mismatch_ok in g["need"]:
-                spec = plan.specs.get((key, tuple(off)))
-                if spec is None:
-                    continue
-                if spec[0] != dtype or (tuple(spec[1]) != tuple(shape) and not mismatch_ok):
-                    raise ValidationError(
-                        f"rank {g['rank']}: {key!r} at offset {tuple(off)}: checkpoint has "
-                        f"{spec[0]} {tuple(spec[1])}, the state dict asks for {dtype} "
-                        f"{tuple(shape)} (set allow_shape_mismatch=True to accept the stored shape)"
-                    )
-        # Strictness is decided from gathered data, so every rank reaches the same verdict.
-        # Megatron's definitions: unexpected = requested but absent from the checkpoint (per
-        # rank); missing = in the checkpoint but requested by no rank (same on every rank).
-        unexpected_by_rank = [set(g["requested"]) - global_ckpt_keys for g in members]
-        mine_unexpected = unexpected_by_rank[me]
-        missing = global_ckpt_keys - set().union(*(g["requested"] for g in members))
-        check_missing = strict in (
-            StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL
+        plan, global_ckpt_keys, mine_unexpected, missing = _load_verdict(
+            scope, members, me, strict, fully_parallel, validate_access_integrity, logger
         )
-        if not check_missing:
-            missing = set()
-        # Raise decisions use every rank's unexpected keys; logging reports this rank's own.
-        apply_strictness(strict, missing, set().union(*unexpected_by_rank), _SilentLog)
-        apply_strictness(strict, missing, mine_unexpected, logger)
         # Objects the rank lacks come from a rank that holds them (small; msgpack codec).
         obj_data = self._exchange_objects(members, held_objects, group, n, me, global_ckpt_keys)
 
@@ -666,13 +687,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         for r, g in enumerate(members):
             for key, off, shape in g["held_obj"]:
                 holders.setdefault((key, tuple(off), tuple(shape)), r)
-        nobody = sorted(w for w in wanted if w not in holders)
-        if nobody:
-            raise ValidationError(
-                f"ShardedObject {nobody[0][0]!r} at offset {nobody[0][1]} with global shape "
-                f"{nobody[0][2]} is in no rank's checkpoint; the layout at load must match the "
-                "one at save"
-            )
+        # (Every wanted object has a holder: _load_verdict checked it.)
         from . import codec
 
         mine = {oid: held_objects[oid].data for oid, r in holders.items() if r == me and oid in wanted}
@@ -701,6 +716,86 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             for (key, off, shape), v in codec.decode(memoryview(blob)[1:]):
                 out[(key, tuple(off), tuple(shape))] = v
         return out
+
+
+def _load_verdict(scope, members, me, strict, fully_parallel, validate_access_integrity, log):
+    """Every check of a load, decided from gathered facts so every rank reaches the same
+    verdict: template integrity, shards nobody saved, atomic holdings, dtype/shape of what
+    arrives, strictness, ShardedObjects nobody saved. Raises ValidationError (or strictness's
+    error) on every rank together; returns (exchange plan, checkpoint keys, this rank's
+    unexpected keys, missing keys). Pure: used before any byte is written
+    (:func:`check_restorable`) and by :meth:`MCoreTensorAwareStateDict.to_state_dict`."""
+    if validate_access_integrity:
+        validate_sharding_integrity(
+            [g["records"] for g in scope], [g["obj_records"] for g in scope]
+        )
+    global_ckpt_keys = set().union(*(g["ckpt_keys"] for g in members))
+    plan, absent_shards = plan_exchange(members)
+    # Shards of keys the checkpoint has, but at offsets nobody saved: a sharding mismatch,
+    # never silently skipped.
+    for r, sids in sorted(absent_shards.items()):
+        bad = [s for s in sids if s[0] in global_ckpt_keys]
+        if bad:
+            raise ValidationError(
+                f"rank {members[r]['rank']}: shard {bad[0][0]!r} at offset {bad[0][1]} is in "
+                "no rank's checkpoint (parallel layout changed between save and load?); the "
+                "layout at load must match the one at save"
+            )
+    if not fully_parallel:
+        # Atomic: a rank's checkpoint must hold every shard it asks for (the others are held
+        # by another rank, or the check above would have failed).
+        for r, g in enumerate(members):
+            absent = [x for x in g["need"] if x[0] in global_ckpt_keys]
+            if absent:
+                raise ValidationError(
+                    f"rank {g['rank']}: shard {absent[0][0]!r} at offset {tuple(absent[0][1])} "
+                    "is not in this rank's checkpoint; load with algo='fully_parallel' to "
+                    "fetch it from the rank that saved it"
+                )
+    # Shards that will arrive from another rank must be what the template asks for.
+    for g in members:
+        for key, off, dtype, shape, mismatch_ok in g["need"]:
+            spec = plan.specs.get((key, tuple(off)))
+            if spec is None:
+                continue
+            if spec[0] != dtype or (tuple(spec[1]) != tuple(shape) and not mismatch_ok):
+                raise ValidationError(
+                    f"rank {g['rank']}: {key!r} at offset {tuple(off)}: checkpoint has "
+                    f"{spec[0]} {tuple(spec[1])}, the state dict asks for {dtype} "
+                    f"{tuple(shape)} (set allow_shape_mismatch=True to accept the stored shape)"
+                )
+    # Strictness is decided from gathered data, so every rank reaches the same verdict.
+    # Megatron's definitions: unexpected = requested but absent from the checkpoint (per
+    # rank); missing = in the checkpoint but requested by no rank (same on every rank).
+    unexpected_by_rank = [set(g["requested"]) - global_ckpt_keys for g in members]
+    mine_unexpected = unexpected_by_rank[me]
+    missing = global_ckpt_keys - set().union(*(g["requested"] for g in members))
+    check_missing = strict in (
+        StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL
+    )
+    if not check_missing:
+        missing = set()
+    # Raise decisions use every rank's unexpected keys; logging reports this rank's own.
+    apply_strictness(strict, missing, set().union(*unexpected_by_rank), _SilentLog)
+    apply_strictness(strict, missing, mine_unexpected, log)
+    _objects_nobody_saved(members, global_ckpt_keys)
+    return plan, global_ckpt_keys, mine_unexpected, missing
+
+
+def _objects_nobody_saved(members, ckpt_keys) -> None:
+    held = {(key, tuple(off), tuple(shape)) for g in members for key, off, shape in g["held_obj"]}
+    nobody = sorted(
+        (key, tuple(off), tuple(shape))
+        for g in members
+        for key, off, shape in g["need_obj"]
+        if key in ckpt_keys and (key, tuple(off), tuple(shape)) not in held
+    )
+    if nobody:
+        raise ValidationError(
+            f"ShardedObject {nobody[0][0]!r} at offset {nobody[0][1]} with global shape "
+            f"{nobody[0][2]} is in no rank's checkpoint; the layout at load must match the "
+            "one at save"
+        )
 
 
 class _SilentLog:
