@@ -187,10 +187,21 @@ class CheckpointHook:
             )
             return self._fallback()
         if result is None:
+            # Never silent: starting over loses every step done so far if this is a restart.
+            m = self.manager.last_load_metrics
+            why = (
+                f"memory holds part of a checkpoint but the data of ranks {m.missing_owners} is "
+                "lost (see the warning above)"
+                if m is not None and m.missing_owners
+                else "memory holds no checkpoint of it (a first run, a new session id, or every "
+                "copy was lost)"
+            )
             if self.fallback_loader is not None:
-                logger.info("no complete local checkpoint for session %r; falling back to the caller's loader", session)
+                logger.warning("no local checkpoint of session %r to restore: %s; using the "
+                               "caller's loader", session, why)
                 return self._fallback()
-            logger.info("no complete local checkpoint for session %r; starting fresh at step 0", session)
+            logger.warning("no local checkpoint of session %r to restore: %s; starting at step 0",
+                           session, why)
             return 0
         state, iteration = result
         if self.state is not None:

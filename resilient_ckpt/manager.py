@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -49,11 +50,20 @@ from .errors import (
     ValidationError,
 )
 from .replication.placement import Placement, clique_placement, plan_retrieval, ring_placement
+from .replication.healing import RepairPlan, plan_repairs
 from .replication.peer import PeerReplicator
 from .replication.transport import P2PTransport, new_checkpoint_group
 from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
 from .staging import SegmentPrefetcher, Stager, StagingHandle
-from .store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore, Segment, plan_layout
+from .store import (
+    DEFAULT_ROOT,
+    CheckpointHeader,
+    CheckpointId,
+    CheckpointStore,
+    Segment,
+    plan_layout,
+    validate_session_id,
+)
 from .tensor_aware_state_dict import MCoreTensorAwareStateDict, check_restorable, template_targets
 from .nested import map_leaves
 from .validation import StrictHandling
@@ -103,6 +113,23 @@ class LoadMetrics:
         return dict(self.__dict__)
 
 
+@dataclass
+class HealMetrics:
+    """Re-creating the copies a restore found missing (see ``replication.healing``)."""
+
+    iteration: int
+    copies: int = 0  # copies the plan re-created, over the whole job
+    bytes: int = 0  # their bytes, over the whole job
+    bytes_in: int = 0  # this rank's received bytes
+    bytes_out: int = 0  # this rank's sent bytes
+    seconds: float = 0.0  # from the restore's end to redundancy agreed whole
+    whole: bool = False  # every copy the placement asks for exists again
+    unrepairable: List[int] = field(default_factory=list)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
 class SaveHandle:
     """The future of one ``save_local``."""
 
@@ -146,8 +173,11 @@ class CheckpointManager:
     """In-memory local checkpoints with peer replication (embedded mode).
 
     Args:
-        session_id: names the job; a store never loads another session's data. Defaults to
-            ``TORCHELASTIC_RUN_ID`` under torchrun.
+        session_id: names the job; a store never loads (or retires) another session's data.
+            Default: ``TORCHELASTIC_RUN_ID`` under torchrun, ``slurm-$SLURM_JOB_ID`` under
+            Slurm, else ``job-$MASTER_ADDR-$MASTER_PORT`` (unique among running jobs, with a
+            warning: a restart on another port would not find it). Validated: letters, digits
+            and ``._+=@:-``.
         store_root: tmpfs directory of this node's store.
         replication_factor: copies of each rank's data (1 = no replication).
         replication_jump: rank distance between copies (default: ranks per node, from
@@ -204,7 +234,7 @@ class CheckpointManager:
         mode: Optional[str] = None,
         endpoint: Optional[str] = None,
     ):
-        session_id = session_id or session or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        session_id = _session_id(session_id if session_id is not None else session)
         if keep_last < 1:
             raise ValidationError(f"keep_last must be >= 1, got {keep_last}")
         self.session_id = session_id
@@ -258,6 +288,10 @@ class CheckpointManager:
         self.latest_iteration = -1  # nvidia-resiliency-ext attribute name
         self.last_save_metrics: Optional[SaveMetrics] = None
         self.last_load_metrics: Optional[LoadMetrics] = None
+        self.last_heal_metrics: Optional[HealMetrics] = None
+        #: holdings and iteration of the last restore, for healing
+        self._restore_facts: Optional[Tuple[Holdings, int]] = None
+        self._healing: Optional[Future] = None
         self._persistent_args = (persistent_dir, flush_every, flush_on_sigterm)
         self._tier = None
         endpoint = endpoint or (os.environ.get("RESILIENT_CKPT_ENDPOINT") if mode == "service" else None)
@@ -664,9 +698,19 @@ class CheckpointManager:
         if self._tier is not None:
             # A flush reading an older iteration from the store keeps it alive until done.
             threshold = min([threshold, *self._tier.pinned_iterations()])
-        doomed = [c for c in self.store.list() if c.iteration < threshold]
-        for cid in doomed:
-            self.store.discard(cid)
+        for cid in self.store.list():
+            if cid.iteration < threshold and self._is_ours(cid):
+                self.store.discard(cid)
+
+    def _is_ours(self, cid: CheckpointId) -> bool:
+        """Deletions act only on checkpoints whose header names this session and world size:
+        another job sharing the directory (same session id, another world) keeps its data."""
+        try:
+            self.store.read_header(cid)
+            return True
+        except (StoreError, OSError) as e:
+            logger.debug("not retiring %s: %s", cid.stem(), e)
+            return False
 
     def wait_for_saves(self) -> None:
         """Block until every queued save finished (errors are reported by their handles)."""
@@ -781,6 +825,7 @@ class CheckpointManager:
                 state,
             )
         del tasd, retrieved, extra
+        self._heal_after_restore()
         m = self.last_load_metrics
         m.to_state_dict_s = time.perf_counter() - t1
         m.total_s = time.perf_counter() - t0
@@ -844,6 +889,74 @@ class CheckpointManager:
                 "of sessions %s (pass session_id=... to restore one of them)",
                 self.session_id, self.store.root, others[:5],
             )
+
+    def _heal_after_restore(self) -> None:
+        """Re-create, in the background, every copy of the restored iteration that the
+        placement asks for and no store holds (a replaced node's own data and the replicas it
+        keeps): until then a second failure could lose progress. Runs on the save thread, so
+        it finishes before the next save replicates; ``wait_healed()`` waits for it.
+        Decided from the restore's gathered facts: every rank schedules it, or none."""
+        facts, self._restore_facts = self._restore_facts, None
+        if facts is None or self._group is None or not isinstance(self._replicator, PeerReplicator):
+            return  # service mode: the node daemon pulls a replaced node's data
+        holdings, iteration = facts
+        held = [{o for it, o in per if it == iteration} for per in holdings.ids]
+        plan = plan_repairs(held, holdings.node_of, self.placement, holdings.nbytes(iteration))
+        if not plan and not plan.unrepairable:
+            return
+        metrics = HealMetrics(
+            iteration=iteration,
+            copies=len(plan.repairs),
+            bytes=sum(holdings.nbytes(iteration).get(r.owner, 0) for r in plan.repairs),
+            unrepairable=list(plan.unrepairable),
+        )
+        if self.rank == 0:
+            logger.warning(
+                "iteration %d was restored with %d copies missing (owners %s); re-creating them "
+                "in the background (%.1f MiB) so a further failure loses nothing",
+                iteration, metrics.copies, _ranges(sorted({r.owner for r in plan.repairs})),
+                metrics.bytes / (1 << 20),
+            )
+        future = self._worker.submit(self._heal, plan, metrics, time.perf_counter())
+        self._healing = future
+        with self._lock:
+            self._in_flight.append((-1, future))
+
+    def _heal(self, plan: RepairPlan, m: HealMetrics, t0: float) -> HealMetrics:
+        error: Optional[BaseException] = None
+        try:
+            res = self._replicator.repair(m.iteration, plan.repairs)
+            m.bytes_in, m.bytes_out = res.bytes_in, res.bytes_out
+        except Exception as e:
+            error = e
+        try:
+            agreed = collectives.all_agree(error is None, self._group)
+        except Exception as e:
+            agreed, error = False, error or e
+        m.seconds = time.perf_counter() - t0
+        m.whole = agreed and not plan.unrepairable
+        self.last_heal_metrics = m
+        if m.whole:
+            if self.rank == 0:
+                logger.warning(
+                    "redundancy of iteration %d is whole again: %d copies (%.1f MiB) re-created "
+                    "in %.2fs", m.iteration, m.copies, m.bytes / (1 << 20), m.seconds,
+                )
+        else:
+            logger.warning(
+                "redundancy of iteration %d not restored (%s); the next complete save restores "
+                "it — until then one more failure may lose progress",
+                m.iteration,
+                error or f"no copy left of owners {_ranges(list(m.unrepairable))}",
+            )
+        return m
+
+    def wait_healed(self, timeout: Optional[float] = None) -> Optional[HealMetrics]:
+        """Block until the healing that followed the last restore finished; its metrics
+        (``whole``: every copy is back), or None if no healing was needed."""
+        if self._healing is None:
+            return None
+        return self._healing.result(timeout)
 
     def _pull_missing(self, holdings: Holdings, iteration: int, group) -> Holdings:
         """Service mode: ask this node's daemon to pull this rank's checkpoint from a peer
@@ -952,6 +1065,7 @@ class CheckpointManager:
                 f"{last_error}"
             ) from last_error
         self._restored = True
+        self._restore_facts = (holdings, iteration)
         self.latest_iteration = iteration
         # The restored iteration defines the timeline (also for an in-process restart): newer
         # ones were abandoned above, so the trainer may save those iteration numbers again.
@@ -991,6 +1105,7 @@ class CheckpointManager:
                 "no complete local checkpoint to load; call find_latest() first and check for -1"
             )
         tasd = self._decode(retrieved, iteration)
+        self._heal_after_restore()
         return tasd, (iteration, self.rank, self.session_id)
 
     def _drop_abandoned(self, newer_than: int) -> None:
@@ -1072,6 +1187,34 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _session_id(given: Optional[str]) -> str:
+    """The session id: the one given (validated), else one the launch makes unique among the
+    jobs running at the same time and stable across their restarts — never a shared default
+    that would let two jobs on a node retire each other's checkpoints."""
+    if given is not None:
+        return validate_session_id(given)
+    env = os.environ
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":  # torchrun's own default rendezvous id is "none"
+        derived, source = run_id, "TORCHELASTIC_RUN_ID (torchrun)"
+    elif env.get("SLURM_JOB_ID"):
+        derived, source = f"slurm-{env['SLURM_JOB_ID']}", "SLURM_JOB_ID"
+    elif env.get("MASTER_PORT"):
+        # Two jobs running at once cannot share a rendezvous address and port.
+        derived = f"job-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}"
+        source = "MASTER_ADDR/MASTER_PORT (a restart on another port will not find it)"
+    else:
+        derived, source = "default", "nothing (no launcher variables; two such jobs on a node share it)"
+    derived = re.sub(r"[^A-Za-z0-9._+=@:-]", "_", derived).lstrip(".")[:200] or "default"
+    stable = source.startswith(("TORCHELASTIC", "SLURM"))
+    logger.log(
+        logging.INFO if stable else logging.WARNING,
+        "no session_id given: using %r, derived from %s; pass CheckpointManager(session_id=...) "
+        "naming the job so its restarts find its checkpoints", derived, source,
+    )
+    return derived
 
 
 def _ranges(ranks: List[int]) -> str:

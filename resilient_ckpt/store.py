@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -349,8 +350,7 @@ class CheckpointStore:
         world_size: Optional[int] = None,
         memory_budget: Optional[int] = None,
     ):
-        if not session or "/" in session or session.startswith("."):
-            raise StoreError(f"invalid session id {session!r}: use a plain name (no '/')")
+        validate_session_id(session)
         self.root = Path(root)
         self.session = session
         self.world_size = world_size
@@ -364,6 +364,13 @@ class CheckpointStore:
                 f"cannot create the store directory {self.free_dir}: {e}; fix: point store_root at "
                 "a writable tmpfs directory (default /dev/shm/resilient_ckpt)"
             ) from e
+        for d in (self.dir, self.free_dir):
+            if d.is_symlink():
+                raise StoreError(
+                    f"{d} is a symbolic link (to {os.readlink(d)}); the store never follows links "
+                    "out of its root. Fix: remove the link (or point store_root at the real "
+                    "directory)"
+                )
         self._lock_path = self.dir / ".lock"
         _warn_if_small_shm(self.root)
 
@@ -394,12 +401,11 @@ class CheckpointStore:
     def usage(self) -> Dict[str, int]:
         """Bytes held: published data, free pool, total; and the filesystem's free bytes."""
         data = free = 0
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.dir.iterdir():
-                if p.suffix == ".data":
-                    data += _size(p)
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.free_dir.iterdir():
+        for p in _entries(self.dir):
+            if p.suffix == ".data" and _regular(p):
+                data += _size(p)
+        for p in _entries(self.free_dir):
+            if _regular(p):
                 free += _size(p)
         st = os.statvfs(self.dir)
         return {
@@ -485,10 +491,21 @@ class CheckpointStore:
         """Give a reserved segment its checkpoint name (the mapping stays valid)."""
         cid = self._id(iteration, owner)
         if self.header_path(cid).exists():
-            raise StoreError(
-                f"checkpoint {cid.stem()} is already published in {self.dir}; iterations must "
-                "increase (discard it first to overwrite)"
-            )
+            try:
+                self.read_header(cid)
+            except (ForeignCheckpointError, CorruptCheckpointError) as e:
+                raise StoreError(
+                    f"cannot store {cid.stem()} in {self.dir}: a checkpoint this build cannot use "
+                    f"holds that name ({e}). Fix: remove it (`resilient-ckpt drop`, or delete "
+                    f"{self.header_path(cid)}) or use another session id"
+                ) from e
+            except StoreError:
+                pass  # removed meanwhile: the claim below goes ahead
+            else:
+                raise StoreError(
+                    f"checkpoint {cid.stem()} is already published in {self.dir}; iterations must "
+                    "increase (discard it first to overwrite)"
+                )
         target = self.data_path(cid)
         os.replace(segment.path, target)
         segment.path = target
@@ -518,19 +535,16 @@ class CheckpointStore:
         """Smallest pooled segment that fits, else the largest (grown by fallocate)."""
         best = None
         best_size = -1
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.free_dir.iterdir():
-                if not p.name.startswith("seg_"):
-                    continue
-                s = _size(p)
-                if best is None:
-                    better = True
-                elif s >= nbytes:
-                    better = best_size < nbytes or s < best_size
-                else:
-                    better = best_size < nbytes and s > best_size
-                if better:
-                    best, best_size = p, s
+        for p in _pool_files(self.free_dir, "seg_"):
+            s = _size(p)
+            if best is None:
+                better = True
+            elif s >= nbytes:
+                better = best_size < nbytes or s < best_size
+            else:
+                better = best_size < nbytes and s > best_size
+            if better:
+                best, best_size = p, s
         return best
 
     def publish(self, segment: Segment, header: CheckpointHeader) -> CheckpointId:
@@ -563,11 +577,15 @@ class CheckpointStore:
     def list(self) -> List[CheckpointId]:
         """Published checkpoints of this session (headers present), sorted."""
         out = []
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.dir.iterdir():
-                m = _NAME.match(p.name)
-                if m and m.group(3) == "hdr":
+        for p in _entries(self.dir):
+            m = _NAME.match(p.name)
+            if m and m.group(3) == "hdr":
+                if _regular(p):
                     out.append(self._id(int(m.group(1)), int(m.group(2))))
+                else:
+                    _ignore(p, "a checkpoint name on something that is not a regular file")
+            elif not (p.name in ("free", ".lock") or _NAME.match(p.name) or p.name.startswith(".")):
+                _ignore(p, "not a file this store writes")
         return sorted(out)
 
     def read_header(self, cid: CheckpointId) -> CheckpointHeader:
@@ -610,7 +628,7 @@ class CheckpointStore:
         out = []
         with contextlib.suppress(OSError):
             for d in self.root.iterdir():
-                if d.name == self.session or not d.is_dir():
+                if d.name == self.session or d.is_symlink() or not d.is_dir():
                     continue
                 with contextlib.suppress(OSError):
                     if any(_NAME.match(p.name) and p.suffix == ".hdr" for p in d.iterdir()):
@@ -652,7 +670,7 @@ class CheckpointStore:
         with contextlib.suppress(FileNotFoundError):
             for p in self.dir.iterdir():
                 m = _NAME.match(p.name)
-                if m and m.group(3) == "data" and p not in published and p not in busy:
+                if m and m.group(3) == "data" and p not in published and p not in busy and _regular(p):
                     logger.info("recycling %s: data without a header (a save that did not finish)", p)
                     with self._locked():
                         with contextlib.suppress(FileNotFoundError):
@@ -664,12 +682,14 @@ class CheckpointStore:
                         with contextlib.suppress(FileNotFoundError):
                             p.unlink()
         # Reservations of processes that died (SIGKILL mid-save) go back to the pool too.
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.free_dir.iterdir():
-                if p.name.startswith("rsv_") and not _pid_alive(int(p.name.split("_")[1])):
-                    with self._locked():
-                        with contextlib.suppress(FileNotFoundError):
-                            os.replace(p, self._pool_name())
+        for p in _pool_files(self.free_dir, "rsv_"):
+            pid = p.name.split("_")[1]
+            if not pid.isdigit():
+                _ignore(p, "a reservation name without a process id")
+            elif not _pid_alive(int(pid)):
+                with self._locked():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(p, self._pool_name())
 
     def trim_free_pool(self, keep_bytes: int = 0, locked: bool = False, spare: Optional[Path] = None) -> int:
         """Release pooled segments beyond ``keep_bytes``; returns bytes released.
@@ -678,10 +698,7 @@ class CheckpointStore:
         """
         released = 0
         with contextlib.nullcontext() if locked else self._locked():
-            files = sorted(
-                (p for p in self.free_dir.iterdir() if p.name.startswith("seg_") and p != spare),
-                key=_size,
-            )
+            files = sorted((p for p in _pool_files(self.free_dir, "seg_") if p != spare), key=_size)
             total = sum(_size(p) for p in files)
             for p in reversed(files):
                 if total <= keep_bytes:
@@ -696,6 +713,65 @@ class CheckpointStore:
     def destroy(self) -> None:
         """Remove this session's store entirely (operator action)."""
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---- robust scanning -----------------------------------------------------------------------
+# A store root is shared with operators and other jobs: anything this store did not write
+# (a stray file, a directory where a segment should be, a symbolic link) is ignored and
+# logged once, never followed and never a reason to fail — so every node reaches the same
+# outcome whatever lies in its store.
+
+_IGNORED: set = set()
+_SESSION = re.compile(r"^[A-Za-z0-9_+=@:-][A-Za-z0-9._+=@:-]{0,199}$")
+
+
+class InvalidSessionError(StoreError, ValueError):
+    """A session id that cannot name a store directory."""
+
+
+def validate_session_id(session: object) -> str:
+    """A session id names a directory of the store root: 1-200 characters of letters,
+    digits and ``. _ + = @ : -``, not starting with a dot (no path separators, no NUL)."""
+    if not isinstance(session, str) or not _SESSION.match(session):
+        raise InvalidSessionError(
+            f"invalid session id {session!r}: use a plain name of 1-200 letters, digits and "
+            "'._+=@:-' that does not start with '.' (no '/', no NUL, not empty) — e.g. the job's "
+            "name or its scheduler id"
+        )
+    return session
+
+
+def _entries(d: Path) -> List[Path]:
+    try:
+        return list(d.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _regular(p: Path) -> bool:
+    """A regular file, not followed through a link."""
+    try:
+        return stat.S_ISREG(os.lstat(p).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _pool_files(free_dir: Path, prefix: str) -> List[Path]:
+    out = []
+    for p in _entries(free_dir):
+        if not p.name.startswith(prefix):
+            continue
+        if _regular(p):
+            out.append(p)
+        elif p.exists() or p.is_symlink():
+            _ignore(p, "not a regular file")
+    return out
+
+
+def _ignore(p: Path, why: str) -> None:
+    if str(p) not in _IGNORED:
+        _IGNORED.add(str(p))
+        logger.warning("ignoring %s in the checkpoint store: %s (remove it to silence this)", p, why)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -9,16 +9,20 @@ in), so its partners learn it at once instead of after the transport timeout.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..errors import ReplicationError
+from ..errors import ReplicationError, StoreError
 from ..store import CheckpointHeader, CheckpointId, CheckpointStore, Segment
+from .healing import Repair
 from .placement import Placement
 from .transport import Incoming, Outgoing, P2PTransport
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,12 +52,74 @@ class _PagePipeline:
         self._pool.shutdown(wait=True)
 
 
+class _Landing:
+    """Lands incoming checkpoints in the node store: a segment claimed when the header
+    arrives, populated one chunk ahead and released as chunks land (see _PagePipeline); the
+    header is published only after the last byte (:meth:`publish`), and everything claimed is
+    discarded if the transfer fails (:meth:`undo`)."""
+
+    def __init__(self, store: CheckpointStore, chunk: int):
+        self.store = store
+        self.chunk = chunk
+        self.claimed: List[Tuple[Segment, bytes, CheckpointId]] = []
+        self.pipes: Dict[int, _PagePipeline] = {}
+
+    def incoming(self, src: int, check: Callable[[bytes], CheckpointHeader]) -> Incoming:
+        """An Incoming from ``src``; ``check(raw header)`` returns the parsed header or raises
+        (an empty header means the sender could not send)."""
+
+        def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
+            h = check(hdr)
+            seg = self.store.allocate(h.iteration, h.owner, nbytes, populate=False)
+            self.claimed.append((seg, hdr, h.id))
+            self.pipes[src] = _PagePipeline(seg, self.chunk)
+            return seg.buffer
+
+        def landed(lo: int, n: int) -> None:
+            if src in self.pipes:
+                self.pipes[src].landed(lo, n)
+
+        return Incoming(src, allocate, on_chunk=landed)
+
+    def close(self) -> None:
+        for pipe in self.pipes.values():
+            pipe.close()
+
+    def publish(self) -> List[CheckpointId]:
+        out = []
+        for seg, hdr, cid in self.claimed:
+            seg.close()
+            self.store.write_raw_header(hdr, cid)
+            out.append(cid)
+        return out
+
+    def undo(self) -> None:
+        # Only what this transfer created: a header of the same id that existed before made
+        # allocate() fail, so it is not in ``claimed``.
+        for seg, _, cid in self.claimed:
+            seg.close()
+            self.store.discard(cid)
+
+
 class PeerReplicator:
     def __init__(self, transport: P2PTransport, placement: Placement, store: CheckpointStore, rank: int):
         self.transport = transport
         self.placement = placement
         self.store = store
         self.rank = rank
+
+    def _move(self, outgoing: List[Outgoing], landing: _Landing, incoming: List[Incoming]):
+        """One exchange; received checkpoints are published after their last byte."""
+        try:
+            try:
+                stats = self.transport.exchange(outgoing, incoming)
+            finally:
+                landing.close()
+            received = landing.publish()
+        except BaseException:
+            landing.undo()
+            raise
+        return stats, received
 
     def replicate(self, header: CheckpointHeader, segment: Segment) -> ReplicationResult:
         """Send this rank's checkpoint to its holders; receive the ones this rank holds."""
@@ -65,10 +131,9 @@ class PeerReplicator:
         # Pages already sent (received) leave this process's resident set as replication goes:
         # the bytes stay in the store, the trainer's RSS stays about one chunk above its state.
         outgoing = [Outgoing(dst, raw, segment.buffer, on_chunk=segment.release_pages) for dst in holders]
-        claimed: List[Tuple[Segment, bytes, CheckpointId]] = []
 
-        def allocate_for(src: int):
-            def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
+        def expect_from(src: int):
+            def check(hdr: bytes) -> CheckpointHeader:
                 if not hdr:
                     raise ReplicationError(
                         f"rank {src} could not save iteration {header.iteration} (see that "
@@ -79,42 +144,62 @@ class PeerReplicator:
                     raise ReplicationError(
                         f"rank {src} sent {h.id} while replicating iteration {header.iteration}"
                     )
-                # Populated one chunk ahead of the data and released once it landed (see
-                # _PagePipeline): fast writes, resident set about two chunks.
-                seg = self.store.allocate(h.iteration, h.owner, nbytes, populate=False)
-                claimed.append((seg, hdr, h.id))
-                pipes[src] = _PagePipeline(seg, self.transport.chunk_bytes)
-                return seg.buffer
+                return h
 
-            return allocate
+            return check
 
-        pipes: dict = {}
+        landing = _Landing(self.store, self.transport.chunk_bytes)
+        incoming = [landing.incoming(src, expect_from(src)) for src in sources]
+        stats, received = self._move(outgoing, landing, incoming)
+        return ReplicationResult(received, stats.bytes_sent, stats.bytes_received)
 
-        def landed_for(src: int):
-            return lambda lo, n: pipes[src].landed(lo, n) if src in pipes else None
-
-        incoming = [Incoming(src, allocate_for(src), on_chunk=landed_for(src)) for src in sources]
-        result = ReplicationResult()
-        try:
+    def repair(self, iteration: int, repairs: Sequence[Repair]) -> ReplicationResult:
+        """Carry out this rank's part of a healing plan (see :mod:`.healing`): send the
+        copies it is the source of, from its node's store; land the ones it receives."""
+        outgoing: List[Outgoing] = []
+        maps = []
+        for r in repairs:
+            if r.source != self.rank:
+                continue
+            cid = CheckpointId(iteration, r.owner, self.store.session)
             try:
-                stats = self.transport.exchange(outgoing, incoming)
-            finally:
-                for pipe in pipes.values():
-                    pipe.close()
-            for seg, hdr, cid in claimed:
-                seg.close()
-                self.store.write_raw_header(hdr, cid)
-                result.received.append(cid)
-        except BaseException:
-            # Only what this save created: a replica header of the same id that existed before
-            # made allocate() fail, so it is not in ``claimed``.
-            for seg, _, cid in claimed:
-                seg.close()
-                self.store.discard(cid)
-            raise
-        result.bytes_out = stats.bytes_sent
-        result.bytes_in = stats.bytes_received
-        return result
+                reader = self.store.open(cid)
+                raw = self.store.header_path(cid).read_bytes()
+                if reader.header.data_nbytes:
+                    m, buf = reader.map(populate=True)
+                    maps.append(m)
+                else:
+                    buf = torch.empty(0, dtype=torch.uint8)
+                outgoing.append(Outgoing(r.dest, raw, buf))
+            except (StoreError, OSError) as e:
+                # Still take part (an empty header tells the receiver at once).
+                logger.warning("cannot send %s to rank %d for healing: %s", cid.stem(), r.dest, e)
+                outgoing.append(Outgoing(r.dest, b"", torch.empty(0, dtype=torch.uint8)))
+
+        def expect(r: Repair):
+            def check(hdr: bytes) -> CheckpointHeader:
+                if not hdr:
+                    raise ReplicationError(
+                        f"rank {r.source} could not send owner {r.owner}'s checkpoint of "
+                        f"iteration {iteration} for healing (see that rank's log)"
+                    )
+                h = CheckpointHeader.unpack(hdr, source=f"healing header from rank {r.source}")
+                if h.id != CheckpointId(iteration, r.owner, self.store.session):
+                    raise ReplicationError(f"rank {r.source} sent {h.id} while healing owner {r.owner}")
+                return h
+
+            return check
+
+        landing = _Landing(self.store, self.transport.chunk_bytes)
+        incoming = [landing.incoming(r.source, expect(r)) for r in repairs if r.dest == self.rank]
+        if not outgoing and not incoming:
+            return ReplicationResult()
+        try:
+            stats, received = self._move(outgoing, landing, incoming)
+        finally:
+            del outgoing
+            maps.clear()  # unmapped once the last view is gone
+        return ReplicationResult(received, stats.bytes_sent, stats.bytes_received)
 
     def abstain(self) -> None:
         """This rank's save failed: empty replicas to its holders, refuse its sources' ones."""
