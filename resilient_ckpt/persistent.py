@@ -277,25 +277,6 @@ class StoreSnapshot:
 # ---- agreement helpers -------------------------------------------------------------------
 
 
-def _agree(local_exc: Optional[BaseException], group, what: str) -> None:
-    """Raise on every rank of ``group`` if any rank failed (its own exception where it has one)."""
-    mine = "" if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"
-    if collectives.group_size(group) > 1:
-        errors = collectives.all_gather_msgpack(mine, group)
-    else:
-        errors = [mine]
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if not bad:
-        return
-    if local_exc is not None:
-        raise local_exc
-    r, msg = bad[0]
-    raise CheckpointingException(
-        f"{what} failed on rank {collectives.global_rank(group, r) if dist.is_initialized() else r}"
-        f", so every rank stops: {msg}"
-    )
-
-
 def _from_dcp(e: CheckpointException, what: str) -> CheckpointingException:
     """torch's CheckpointException (a BaseException holding every rank's error) as ours."""
     failures = getattr(e, "failures", {}) or {}
@@ -620,7 +601,7 @@ class PersistentTier:
         except BaseException as e:
             local_exc = e
         try:
-            _agree(local_exc, self._group, f"flush of iteration {iteration}")
+            collectives.fail_together(local_exc, f"flush of iteration {iteration}", self._group)
         except BaseException:
             if snapshot is not None:
                 snapshot.close()
@@ -842,7 +823,7 @@ class PersistentTier:
                 target = {}
         except BaseException as e:
             local_exc = e
-        _agree(local_exc, self._group, f"load of {chosen.path}")
+        collectives.fail_together(local_exc, f"load of {chosen.path}", self._group)
         bytes_read = 0
         try:
             if two_stage:
@@ -857,7 +838,7 @@ class PersistentTier:
             local_exc = None
         except BaseException as e:
             local_exc = e
-        _agree(local_exc, self._group, f"load of {chosen.path}")
+        collectives.fail_together(local_exc, f"load of {chosen.path}", self._group)
         if template is None and torch.cuda.is_available() and any(d.startswith("cuda") for d in saved_devices):
             # As load_local does: tensors go back to the device type they were saved from.
             map_leaves_inplace(lambda v: v.cuda() if isinstance(v, torch.Tensor) else v, target)
@@ -1154,7 +1135,7 @@ def two_stage_load(
         with budget:
             budget.notify_all()
         thread.join(timeout=60)
-    _agree(first_error, group if n > 1 else None, "two-stage load")
+    collectives.fail_together(first_error, "two-stage load", group if n > 1 else None)
     stats.seconds = time.perf_counter() - t0
     return stats
 

@@ -316,7 +316,6 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
         from .dcp import load_local
-        from .persistent import _agree
 
         exc = None
         try:
@@ -325,7 +324,7 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
         except BaseException as e:
             exc = e
         # Every rank raises together (None: the default group).
-        _agree(exc, self.process_group, f"loading {checkpoint_dir}")
+        collectives.fail_together(exc, f"loading {checkpoint_dir}", self.process_group)
         return sharded_state_dict
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
@@ -348,7 +347,7 @@ class TwoStageDcpLoadShardedStrategy(DcpLoadShardedStrategy):
         self.last_stats = None
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
-        from .persistent import _agree, two_stage_load
+        from .persistent import two_stage_load
 
         group = self.data_parallel_group
         exc = None
@@ -357,7 +356,7 @@ class TwoStageDcpLoadShardedStrategy(DcpLoadShardedStrategy):
             _, reader, planner = self._prepare(checkpoint_dir)
         except BaseException as e:
             exc = e
-        _agree(exc, group, f"loading {checkpoint_dir}")
+        collectives.fail_together(exc, f"loading {checkpoint_dir}", group)
         self.last_stats = two_stage_load(
             sharded_state_dict, reader, group, planner=planner, read_ahead_bytes=self.read_ahead_bytes
         )
