@@ -44,6 +44,7 @@ import xxhash
 
 from .protocol import (
     AuthenticationError,
+    PredatesStart,
     ProtocolConfigError,
     ProtocolError,
     ReplayedMessage,
@@ -266,6 +267,12 @@ class ReplayGuard:
     expires first is evicted and every message that would expire no later than it is refused
     as stale from then on: the guard never accepts a replay, it only narrows the window under
     overload. Thread-safe.
+
+    ``not_before_ns`` (a daemon passes its start, ``time.time_ns()``): messages timestamped
+    earlier are refused with :class:`PredatesStart`. The nonces remembered by an earlier
+    incarnation of the daemon died with it; without this floor a message captured before a
+    restart could be replayed within the window. Legitimate senders build a fresh message
+    (fresh timestamp) for every send, so after the restart theirs are newer than the start.
     """
 
     def __init__(
@@ -274,6 +281,7 @@ class ReplayGuard:
         max_entries: int = 131_072,
         *,
         clock: Callable[[], int] = time.time_ns,
+        not_before_ns: Optional[int] = None,
     ):
         if not window_s > 0 or max_entries < 1:
             raise ProtocolConfigError(
@@ -282,6 +290,7 @@ class ReplayGuard:
             )
         self.window_ns = int(window_s * 1e9)
         self.max_entries = max_entries
+        self.not_before_ns = not_before_ns
         self._clock = clock
         self._seen: Dict[bytes, int] = {}  # nonce -> expiry (ns)
         self._expiries: list = []  # heap of (expiry, nonce)
@@ -297,12 +306,26 @@ class ReplayGuard:
         now = self._clock()
         skew_s = (timestamp_ns - now) / 1e9
         if abs(timestamp_ns - now) > self.window_ns:
-            raise StaleMessage(
-                f"timestamp is {skew_s:+.1f} s from this node's clock, outside the "
+            exc = StaleMessage(
+                f"clock skew: timestamp is {skew_s:+.1f} s from this node's clock, outside the "
                 f"±{self.window_ns / 1e9:g} s replay window",
                 peer=peer,
                 fix="synchronise node clocks (NTP/chrony); a much older message is a replay",
             )
+            exc.skew_s = skew_s
+            raise exc
+        # Checked after the window: a skewed sender must hear about its clock, not a restart.
+        if self.not_before_ns is not None and timestamp_ns < self.not_before_ns:
+            exc = PredatesStart(
+                f"message predates this daemon's start at {format_time_ns(self.not_before_ns)} by "
+                f"{(self.not_before_ns - timestamp_ns) / 1e9:.3f} s: a replay, or a message sent "
+                "before the restart",
+                peer=peer,
+                fix="resend it as a new message (a fresh timestamp is accepted); if fresh messages "
+                "are refused too, the sender's clock is behind this node's: synchronise clocks (NTP/chrony)",
+            )
+            exc.not_before_ns, exc.skew_s = self.not_before_ns, skew_s
+            raise exc
         expiry = timestamp_ns + self.window_ns
         with self._lock:
             self._expire(now)
@@ -339,6 +362,13 @@ class ReplayGuard:
         while heap and heap[0][0] < now:
             _, nonce = heapq.heappop(heap)
             del self._seen[nonce]
+
+
+def format_time_ns(t_ns: int) -> str:
+    """``time.time_ns()`` value as UTC ISO 8601 with milliseconds (for error texts and logs)."""
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t_ns / 1e9, datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 # --------------------------------------------------------------------------- counters
@@ -382,6 +412,7 @@ __all__ = [
     "SECRET_FILE_ENV",
     "TAG_BYTES",
     "authenticator_from_env",
+    "format_time_ns",
     "generate_secret",
     "load_secret",
     "write_secret_file",

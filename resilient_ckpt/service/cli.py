@@ -606,12 +606,16 @@ def _daemon_errors(endpoint: str, timeout: float):
     try:
         yield
     except (PeerTimeout, PeerUnreachable) as e:
+        skew = getattr(e, "clock_skew_s", None)
         raise _Exit(
             EXIT_USAGE,
             f"no answer from a daemon at {endpoint} within {timeout:g} s: it is not running there, "
             "or it does not use this job's secret (it drops messages it cannot authenticate without "
             "answering). Check the daemon (systemctl status resilient-ckpt, kubectl logs, the Slurm "
-            f"prolog log), the endpoint, and --secret-file ({type(e).__name__})",
+            f"prolog log), the endpoint, and --secret-file ({type(e).__name__})"
+            + ("" if skew is None else
+               f". Also, an answer came back timestamped {skew:+.1f} s from this host's clock: synchronise "
+               "clocks (NTP/chrony), a skew beyond the replay window makes each side drop the other's messages"),
         ) from None
     except ProtocolConfigError as e:  # no or unusable secret, bad endpoint
         raise _Exit(EXIT_USAGE, str(e)) from None

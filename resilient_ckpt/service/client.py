@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import xxhash
 import zmq
@@ -32,9 +32,11 @@ from .protocol import (
     MessageType,
     PeerTimeout,
     ProtocolError,
+    StaleMessage,
     configure_socket,
+    decode,
     encode,
-    recv,
+    recv_raw,
     send,
 )
 
@@ -266,14 +268,23 @@ class DaemonChecksumError(DaemonError, CorruptCheckpointError):
     """The bytes or header did not match their checksums (or the committed digest)."""
 
 
+class ClockSkewError(DaemonError):
+    """The daemon refused the request (without executing it) because its timestamp is outside
+    the replay window of the daemon's clock: this host's and the daemon's clocks disagree.
+    ``skew_s`` is this request's timestamp minus the daemon's clock, when the daemon said."""
+
+    skew_s: Optional[float] = None
+
+
 _ERROR_CLASSES = {
     ErrorCode.STORE_FULL: DaemonStoreFullError,
     ErrorCode.NOT_FOUND: DaemonNotFoundError,
     ErrorCode.CHECKSUM_MISMATCH: DaemonChecksumError,
+    ErrorCode.CLOCK_SKEW: ClockSkewError,
 }
 
 
-def error_from_reply(reply: Message, peer: str) -> DaemonError:
+def error_from_reply(reply: Message, peer: str, fix: Optional[str] = None) -> DaemonError:
     code = ErrorCode.of(reply.body.get("code", "INTERNAL"))
     cls = _ERROR_CLASSES.get(code, DaemonError)
     op = reply.body.get("op")
@@ -281,12 +292,17 @@ def error_from_reply(reply: Message, peer: str) -> DaemonError:
         op_name = MessageType(op).name if op is not None else "request"
     except ValueError:
         op_name = f"type {op}"
-    return cls(
+    exc = cls(
         f"{op_name} refused with {code.value}: {reply.body.get('message', '')}",
         peer=peer,
+        fix=fix,
         code=code,
         retryable=bool(reply.body.get("retryable", False)),
     )
+    skew = reply.body.get("skew_s")
+    if isinstance(exc, ClockSkewError) and isinstance(skew, (int, float)) and not isinstance(skew, bool):
+        exc.skew_s = float(skew)
+    return exc
 
 
 # --------------------------------------------------------------------------- RPC
@@ -318,6 +334,7 @@ class Rpc:
         hello_extra: Optional[Mapping[str, Any]] = None,
         sockopts: Optional[Mapping[int, int]] = None,
         cancel: Optional[threading.Event] = None,
+        clock: Callable[[], int] = time.time_ns,
     ):
         self.endpoint = endpoint
         self.cancel = cancel
@@ -326,7 +343,12 @@ class Rpc:
         self.role = role
         self.limits = limits
         self._ctx = context or zmq.Context.instance()
-        self._guard = replay_guard or ReplayGuard()
+        # The clock stamps every message and judges every answer (tests inject a skewed one).
+        self._clock = clock
+        self._guard = replay_guard or ReplayGuard(clock=clock)
+        #: timestamp minus this host's clock of the last answer refused as stale (evidence of
+        #: clock skew for the timeout message), None if none was seen during the last request
+        self.stale_skew_s: Optional[float] = None
         self._hello_extra = dict(hello_extra or {})
         self._sockopts = dict(sockopts or {})
         self._sock: Optional[zmq.Socket] = None
@@ -367,7 +389,7 @@ class Rpc:
                 frames: Sequence[Any] = ()) -> Message:
         version = PROTOCOL_VERSION if mtype in (MessageType.HELLO,) else self.version
         return Message(type=mtype, session=session, sender=self.sender, req_id=req_id, body=dict(body),
-                       frames=tuple(frames), version=version)
+                       frames=tuple(frames), version=version, timestamp_ns=self._clock())
 
     def hello(self, session: str, *, timeout_s: float, retries: int = 0,
               credit_bytes: Optional[int] = None) -> Dict[str, Any]:
@@ -402,16 +424,30 @@ class Rpc:
         req_id = secrets.randbits(64)
         last: Optional[ProtocolError] = None
         with self._lock:
-            for _ in range(retries + 1):
+            self.stale_skew_s = None
+            attempt = resends = 0
+            while attempt <= retries:
+                # A new Message per send: fresh nonce and timestamp (a daemon refuses a message
+                # older than its start, e.g. one encoded before it restarted).
                 msg = self.message(mtype, session, body, req_id=req_id)
                 try:
                     self.send(msg, timeout_s=timeout_s)
                     reply = self.await_reply(req_id, time.monotonic() + timeout_s + wait_s)
                 except PeerTimeout as exc:
                     last = exc
+                    attempt += 1
                     continue
                 if reply.type is MessageType.ERROR:
-                    raise error_from_reply(reply, self.endpoint)
+                    wait = self._predates_start_wait(reply)
+                    if wait is not None and wait <= timeout_s and resends < _MAX_FRESH_RESENDS:
+                        resends += 1  # not an attempt: the daemon answered, it wants a fresh message
+                        self._sleep(wait)
+                        continue
+                    fix = None
+                    if wait is not None:  # fresh messages were refused too: this clock is behind
+                        fix = (f"this host's clock still reads {wait:.3f} s before the daemon's start: it is "
+                               "behind the daemon's clock; synchronise clocks (NTP/chrony)")
+                    raise error_from_reply(reply, self.endpoint, fix)
                 if reply.type is not expect:
                     raise DaemonError(
                         f"{mtype.name} was answered with {reply.type.name}, expected {expect.name}",
@@ -419,12 +455,34 @@ class Rpc:
                         fix="run the same resilient-ckpt release on the daemon and its clients",
                     )
                 return reply
-        raise PeerTimeout(
+        fix = ("check that the daemon is running at this endpoint (resilient-ckpt serve) and that it "
+               "uses the job's secret: it drops messages it cannot authenticate without answering")
+        if self.stale_skew_s is not None:  # only with evidence: an answer came back outside the window
+            fix += (f"; also, an answer from it was timestamped {self.stale_skew_s:+.1f} s from this host's "
+                    "clock: the clocks disagree beyond the replay window and each side drops the other's "
+                    "messages, synchronise clocks (NTP/chrony)")
+        exc = PeerTimeout(
             f"no answer to {mtype.name} after {retries + 1} attempt(s) of {timeout_s + wait_s:g} s",
             peer=self.endpoint,
-            fix="check that the daemon is running at this endpoint (resilient-ckpt serve) and that it "
-            "uses the job's secret: it drops messages it cannot authenticate without answering",
-        ) from last
+            fix=fix,
+        )
+        exc.clock_skew_s = self.stale_skew_s  # for callers that word their own message (the CLI)
+        raise exc from last
+
+    def _predates_start_wait(self, reply: Message) -> Optional[float]:
+        """Seconds until this host's clock passes the daemon's start, if ``reply`` refuses a
+        message as older than that start (else None)."""
+        start = reply.body.get("daemon_start_ns")
+        if ErrorCode.of(reply.body.get("code", "")) is not ErrorCode.REPLAYED or not isinstance(start, int) \
+                or isinstance(start, bool):
+            return None
+        return max(0.0, (start - self._clock()) / 1e9) + 0.001
+
+    def _sleep(self, seconds: float) -> None:
+        if self.cancel is None:
+            time.sleep(seconds)
+        elif self.cancel.wait(seconds):
+            raise PeerTimeout("shutting down", peer=self.endpoint)
 
     def send(self, msg: Message, *, timeout_s: float) -> None:
         """Send on this channel's socket (hold ``lock``); PeerTimeout, early if cancelled."""
@@ -441,12 +499,25 @@ class Rpc:
             if self.cancel is not None:
                 remaining = min(remaining, _SLICE_S)
             try:
-                reply = recv(self.socket, self.authenticator, timeout_ms=max(1, _ms(remaining)),
-                             expected_session=None, replay_guard=self._guard, limits=self.limits)
+                label, frames = recv_raw(self.socket, timeout_ms=max(1, _ms(remaining)), limits=self.limits)
+                reply = decode(frames, self.authenticator, expected_session=None, replay_guard=self._guard,
+                               limits=self.limits, peer=label)
             except PeerTimeout:
                 if self.cancel is not None:
                     continue  # one slice passed; the loop checks the deadline and the cancel
                 raise
+            except StaleMessage as exc:
+                # Authenticated (the guard runs after the tag) but outside the window of this
+                # host's clock. An answer echoing this request's random req_id was made for it,
+                # so it is no replay: take it (a daemon's CLOCK_SKEW error carries its own
+                # clock, which a skewed client's guard refuses in turn); note the skew.
+                if exc.skew_s is not None:
+                    self.stale_skew_s = exc.skew_s
+                try:
+                    reply = decode(frames, self.authenticator, expected_session=None, replay_guard=None,
+                                   limits=self.limits, peer=label)
+                except ProtocolError:
+                    continue
             except ProtocolError:
                 continue  # not a valid answer (counted nowhere: a client has no metrics)
             if reply.req_id == req_id and reply.type is not MessageType.CREDIT:
@@ -459,6 +530,8 @@ def _ms(seconds: float) -> int:
 
 #: Longest single wait while a cancel event may be set (daemon shutdown stays prompt).
 _SLICE_S = 0.1
+#: Re-sends of a request the daemon refused as older than its start, per request.
+_MAX_FRESH_RESENDS = 3
 
 
 def send_until(
@@ -507,6 +580,7 @@ class DaemonClient:
             (``RESILIENT_CKPT_SECRET_FILE`` / ``RESILIENT_CKPT_SECRET``).
         timeout_s: deadline of one attempt of a request; requests are retried ``retries`` times.
         rank: names this trainer in the daemon's logs (``rank-<r>@<host>``).
+        clock: ``time.time_ns``-like source of message timestamps (a test injects a skewed one).
     """
 
     def __init__(
@@ -521,6 +595,7 @@ class DaemonClient:
         retries: int = 2,
         context: Optional[zmq.Context] = None,
         limits: Limits = DEFAULT_LIMITS,
+        clock: Callable[[], int] = time.time_ns,
     ):
         if not isinstance(session, str) or not 1 <= len(session) <= 256:
             raise ReplicationError(f"session {session!r} must be a str of 1..256 characters")
@@ -532,7 +607,8 @@ class DaemonClient:
         self.retries = int(retries)
         self.authenticator = authenticator or authenticator_from_env()
         self._rpc = Rpc(endpoint, self.authenticator, sender=sender or default_sender(rank), role="client",
-                        context=context, limits=limits, hello_extra={"rank": rank} if rank is not None else None)
+                        context=context, limits=limits, hello_extra={"rank": rank} if rank is not None else None,
+                        clock=clock)
 
     def __repr__(self) -> str:
         return f"DaemonClient({self.endpoint!r}, session={self.session!r})"
@@ -732,6 +808,7 @@ def _raise_unless_replicating(state: ReplicationState, session: str) -> None:
 
 
 __all__ = [
+    "ClockSkewError",
     "DaemonChecksumError",
     "DaemonClient",
     "DaemonError",

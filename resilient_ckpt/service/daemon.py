@@ -29,9 +29,11 @@ import argparse
 import collections.abc
 import contextlib
 import dataclasses
+import errno
 import functools
 import gc
 import heapq
+import itertools
 import json
 import logging
 import mmap
@@ -58,9 +60,10 @@ import zmq.utils.monitor
 from .. import checksum
 from ..errors import CheckpointingException, CorruptCheckpointError, ReplicationError, StoreError, StoreFullError
 from ..replication.placement import Placement
-from ..store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore, Segment
-from .auth import Authenticator, RejectCounters, ReplayGuard, authenticator_from_env
+from ..store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore
+from .auth import Authenticator, RejectCounters, ReplayGuard, authenticator_from_env, format_time_ns
 from .client import (
+    ClockSkewError,
     DaemonError,
     Holding,
     Rpc,
@@ -81,8 +84,10 @@ from .protocol import (
     MessageType,
     PeerTimeout,
     PeerUnreachable,
+    PredatesStart,
     ProtocolConfigError,
     ProtocolError,
+    StaleMessage,
     authenticated_request_info,
     chunk_checksum,
     configure_socket,
@@ -345,6 +350,10 @@ class _Stores:
         self._stores: Dict[str, CheckpointStore] = {}
         self._cache: Dict[Tuple[str, str], Tuple[Tuple[int, int, int], Holding]] = {}
         self._lock = threading.Lock()
+        # Inbound reservations (router thread: pushes; workers: pulls) and every budget
+        # decision about them: one lock, so two admissions never both take the last room.
+        self._inflight: Dict[int, "_Reservation"] = {}
+        self._budget_lock = threading.RLock()
 
     def get(self, session: str, create: bool = False) -> Optional[CheckpointStore]:
         with self._lock:
@@ -426,39 +435,95 @@ class _Stores:
         return sorted(out, key=lambda h: (h.iteration, h.owner))
 
     def usage(self) -> Dict[str, Dict[str, int]]:
+        """Bytes per session as the store counts them, except that an inbound reservation
+        counts the memory it holds (allocated bytes), not the size its sender announced."""
         out = {}
-        for s in self.sessions():
-            store = self.get(s)
-            if store is not None:
-                with contextlib.suppress(OSError):
-                    out[s] = store.usage()
+        with self._budget_lock:  # no reservation appears or is renamed away mid-scan
+            for s in self.sessions():
+                store = self.get(s)
+                if store is not None:
+                    with contextlib.suppress(OSError):
+                        out[s] = store.usage()
+            for res in self._inflight.values():
+                u = out.get(res.session)
+                if u is not None:
+                    held = res.allocated()
+                    u["free_pool_bytes"] += held - res.total
+                    u["total_bytes"] += held - res.total
         return out
 
     def total_bytes(self) -> int:
         return sum(u["total_bytes"] for u in self.usage().values())
 
-    def check_budget(self, budget: Optional[int], session: str, need: int) -> None:
+    def check_budget(self, budget: Optional[int], session: str, need: int, *,
+                     exclude: Optional["_Reservation"] = None, what: Optional[str] = None) -> None:
         """StoreFullError unless ``need`` more bytes fit the daemon-wide memory budget (all
-        sessions' data plus reusable pools); idle pooled segments are released first. Stored
-        checkpoints are never evicted to make room."""
+        sessions' data, reusable pools and the memory inbound transfers hold); idle pooled
+        segments and the not-yet-granted tails of inbound reservations (``exclude`` aside) are
+        released first. Stored checkpoints are never evicted to make room."""
         if budget is None:
             return
-        total = self.total_bytes()
-        if total + need <= budget:
-            return
-        for s in self.sessions():
-            store = self.get(s)
-            if store is not None:
-                with contextlib.suppress(OSError):
-                    store.trim_free_pool()
-        total = self.total_bytes()
-        if total + need > budget:
+        with self._budget_lock:
+            total = self.total_bytes()
+            if total + need <= budget:
+                return
+            for s in self.sessions():
+                store = self.get(s)
+                if store is not None:
+                    with contextlib.suppress(OSError):
+                        store.trim_free_pool()
+            for res in self._inflight.values():
+                if res is not exclude:
+                    res.reclaim()
+            total = self.total_bytes()
+            if total + need <= budget:
+                return
+        if what is None:
             raise StoreFullError(
                 f"a replica of {need} bytes for session {session!r} would bring this daemon's store "
                 f"{self.root} to {total + need} bytes, over its memory budget of {budget} bytes; "
                 "nothing was written or removed. Fix: raise --memory-budget (at least (keep_last + 1) x "
                 "(own + replicated bytes) per node), lower --keep-last, or save fewer bytes per rank"
             )
+        raise StoreFullError(
+            f"{what}: {need} more bytes would bring this daemon's store {self.root} to {total + need} "
+            f"bytes, over its memory budget of {budget} bytes (replicas arriving at the same time took "
+            "the room since this one was admitted); the partial replica was discarded, nothing stored was "
+            "removed. Fix: COMMIT again once the other transfers finished, or raise --memory-budget"
+        )
+
+    # ---- inbound reservations ----------------------------------------------------------------
+
+    def open_inbound(self, store: CheckpointStore, session: str, total: int, window: int,
+                     budget: Optional[int]) -> "_Reservation":
+        """Admit an inbound checkpoint of ``total`` bytes (StoreFullError unless all of it fits
+        next to what is held) and reserve its segment, backed for the first credit window."""
+        with self._budget_lock:
+            self.check_budget(budget, session, total)
+            res = _Reservation(store, session, total)
+            self._inflight[id(res)] = res
+            try:
+                # Admission counted all of it, so the first window needs no second check.
+                res.grow(window)
+            except BaseException:
+                self.forget(res)
+                res.release(store)
+                raise
+        return res
+
+    def grow_inbound(self, res: "_Reservation", claim: int, budget: Optional[int], what: str) -> None:
+        """Back ``[0, claim)`` of ``res`` before credit for it is granted (StoreFullError if the
+        budget has no room left for the growth)."""
+        with self._budget_lock:
+            need = max(0, min(claim, res.total) - res.backed)
+            if need:
+                self.check_budget(budget, res.session, need, exclude=res, what=what)
+            res.grow(claim)
+
+    def forget(self, res: "_Reservation") -> None:
+        """``res`` stops being in flight (before it is claimed or released: renamed away)."""
+        with self._budget_lock:
+            self._inflight.pop(id(res), None)
 
     def sweep(self, grace_s: float) -> None:
         """Orphan data (no header) of crashed saves or transfers goes back to the pools; a data
@@ -513,6 +578,124 @@ class _ReadOnlyMap:
             with contextlib.suppress(BufferError):
                 self._mm.close()
             self._mm = None
+
+
+_RSV_SEQ = itertools.count()
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; as store.Segment.populate_pages
+
+
+class _Reservation:
+    """The segment an inbound checkpoint is written into, backed by memory only as far as its
+    sender may have written.
+
+    ``[0, claim)`` is what the sender may write (credit granted plus one window) and is always
+    allocated; ``[0, backed)`` is allocated (reused pool pages, or fallocated ahead); beyond is a
+    hole. So a sender that announces N bytes and stalls holds one credit window, not N, and
+    reused pages beyond ``claim`` can be handed back under budget pressure (:meth:`reclaim`).
+    Writes never touch a hole: a full tmpfs then fails fallocate with STORE_FULL instead of
+    killing the daemon with SIGBUS. Quacks like a store Segment (``path``, ``close()``) for
+    ``CheckpointStore.claim``; the file is named ``free/rsv_<pid>_…`` like store reservations,
+    so a crashed daemon's is recycled by the next start's sweep.
+    """
+
+    def __init__(self, store: CheckpointStore, session: str, total: int):
+        self.session, self.total = session, total
+        self.claim = 0
+        self.backed = 0
+        self.path = store.free_dir / f"rsv_{os.getpid()}_{time.time_ns()}_{next(_RSV_SEQ)}.data"
+        candidate = None
+        if total:
+            # Reuse a pooled segment's pages (fresh tmpfs pages cost ~10x a memcpy); under the
+            # store's lock, which the node's trainers take to pick from the same pool.
+            with store._locked():
+                candidate = store._pick_free(total)
+                if candidate is not None:
+                    os.replace(candidate, self.path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._mm: Optional[mmap.mmap] = None
+        try:
+            st = os.fstat(self._fd)
+            if candidate is not None and st.st_blocks * 512 >= st.st_size:  # no holes: all reusable
+                self.backed = min(st.st_size, total)
+            if st.st_size != total:
+                os.ftruncate(self._fd, total)  # shrinking frees the excess, growing adds a hole
+            if total:
+                self._mm = mmap.mmap(self._fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            self.close()
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            raise
+        self.array = np.frombuffer(self._mm, dtype=np.uint8) if total else None
+
+    def allocated(self) -> int:
+        """Bytes of memory the file holds now."""
+        try:
+            return os.fstat(self._fd).st_blocks * 512
+        except OSError:
+            return 0
+
+    def grow(self, claim: int) -> None:
+        """Make ``[0, claim)`` writable: allocate what is a hole and map it in one batch."""
+        claim = min(claim, self.total)
+        if claim <= self.claim:
+            return
+        if claim > self.backed:
+            end = min(self.total, -(-claim // _PAGE) * _PAGE)
+            try:
+                os.posix_fallocate(self._fd, self.backed, end - self.backed)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise StoreFullError(
+                        f"out of space for {end - self.backed} more bytes of an incoming replica in "
+                        f"{self.path.parent.parent}; the partial replica was discarded, nothing stored was "
+                        "removed. Fix: enlarge the shared-memory filesystem (docker run --shm-size, "
+                        "Kubernetes emptyDir medium: Memory) or lower --keep-last"
+                    ) from e
+                raise StoreError(f"cannot allocate {end - self.backed} bytes in {self.path}: {e}") from e
+            self.backed = end
+        start = self.claim // _PAGE * _PAGE
+        with contextlib.suppress(OSError, ValueError):  # older kernel: pages fault in on first write
+            self._mm.madvise(_MADV_POPULATE_WRITE, start, claim - start)
+        self.claim = claim
+
+    def reclaim(self) -> int:
+        """Free the allocated bytes beyond ``claim`` (budget pressure); returns how many."""
+        start = min(self.backed, -(-self.claim // _PAGE) * _PAGE)
+        n = self.backed - start
+        if n <= 0 or self._mm is None:
+            return 0
+        try:
+            self._mm.madvise(mmap.MADV_REMOVE, start, n)  # punches a hole in the file
+        except (OSError, ValueError, AttributeError):  # a filesystem that cannot: keep them
+            return 0
+        self.backed = start
+        return n
+
+    def _unmap(self) -> None:
+        self.array = None
+        if self._mm is not None:
+            # Views may still be alive elsewhere: the mapping then goes with the last of them.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    def close(self) -> None:
+        self._unmap()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def release(self, store: CheckpointStore) -> None:
+        """Back to the pool (a transfer that did not complete), holes cut off: pooled
+        segments are fully allocated, which is what their reuse counts on."""
+        self._unmap()
+        if self._fd >= 0 and self.backed < self.total:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.backed)
+        self.close()
+        store.release(self)  # type: ignore[arg-type]  # duck-typed Segment
 
 
 class _TransferError(Exception):
@@ -590,9 +773,11 @@ class _Inbound:
         rid: bytes = b"",
         req_id: int = 0,
         window: int = DEFAULT_CREDIT_BYTES,
+        budget: Optional[int] = None,
     ):
         session, it, owner = key
         self.stores, self.store, self.key = stores, store, key
+        self.window, self.budget = window, budget
         self.cid = CheckpointId(it, owner, session)
         self.total = int(begin["total_bytes"])
         self.chunk_bytes = int(begin["chunk_bytes"])
@@ -603,6 +788,7 @@ class _Inbound:
         self.peer, self.rid, self.req_id = peer, rid, req_id
         self.next_index = 0
         self.received = 0
+        self.granted = 0
         self.started = self.last_activity = time.monotonic()
         self.granter = CreditGranter(window)
         self.verifier: Optional[_TensorVerifier] = None
@@ -611,13 +797,15 @@ class _Inbound:
             header = self._check_header(raw)
             self.digest = header_digest(raw)
             self.verifier = _TensorVerifier(header, self.total)
-        self.segment: Optional[Segment] = store.reserve(self.total)
-        self._dst = self.segment.buffer.numpy() if self.total else None
+        self.segment: Optional[_Reservation] = stores.open_inbound(store, session, self.total, window, budget)
+        self._dst = self.segment.array
         self._view = memoryview(self._dst) if self.total else None
 
     def describe(self, kind: str) -> Dict[str, Any]:
+        seg = self.segment
         return {"session": self.key[0], "iteration": self.key[1], "owner": self.key[2], "peer": self.peer,
-                "kind": kind, "received": self.received, "total_bytes": self.total}
+                "kind": kind, "received": self.received, "total_bytes": self.total,
+                "reserved_bytes": seg.claim if seg is not None else 0}
 
     def _check_header(self, raw: bytes) -> CheckpointHeader:
         if self.digest is not None and header_digest(raw) != self.digest:
@@ -646,6 +834,10 @@ class _Inbound:
         if offset != expected_offset or n != expected_len:
             raise _TransferError(ErrorCode.MALFORMED, f"chunk {index} has offset {offset} and {n} bytes; "
                                  f"expected offset {expected_offset} and {expected_len} bytes")
+        if offset + n > self.segment.claim:
+            raise _TransferError(ErrorCode.MALFORMED, f"chunk {index} ends at byte {offset + n}, beyond the "
+                                 f"{self.segment.claim} bytes granted so far (credit window {self.window} bytes): "
+                                 "the sender ignores flow control (docs/protocol.md section 7)")
         if chunk_checksum(frame) != body["checksum"]:
             raise _TransferError(ErrorCode.CHECKSUM_MISMATCH, f"chunk {index} of {self.cid.stem()} fails its "
                                  "checksum (corrupted in transit or at the source)", retryable=True)
@@ -656,6 +848,16 @@ class _Inbound:
         self.received += n
         self.last_activity = time.monotonic()
         return n
+
+    def consumed(self, n: int) -> int:
+        """CREDIT to grant after ``n`` bytes were written (0: not yet). The reservation grows
+        first: once granted, the sender may put that many more bytes in flight."""
+        grant = self.granter.consumed(n)
+        if grant:
+            self.stores.grow_inbound(self.segment, self.granted + grant + self.window, self.budget,
+                                     f"receiving {self.cid.stem()} of session {self.key[0]!r} from {self.peer}")
+            self.granted += grant
+        return grant
 
     def finish(self, body: Mapping[str, Any], raw: memoryview) -> Tuple[CheckpointHeader, bool]:
         """Verify everything, then claim + publish. Returns (header, already_held)."""
@@ -677,17 +879,18 @@ class _Inbound:
             raise _TransferError(ErrorCode.MALFORMED, "some tensors were not covered by the chunks")
         self._release_views()
         seg, self.segment = self.segment, None
+        self.stores.forget(seg)
         seg.close()
         existing = self.stores.raw_header(self.store, self.cid)
         if existing is not None:
             if header_digest(existing) == digest:
-                self.store.release(seg)
+                seg.release(self.store)
                 return header, True
             self.store.discard(self.cid)  # an older save of the same id: this one replaces it
         try:
             self.store.claim(seg, self.cid.iteration, self.cid.owner)
         except BaseException:
-            self.store.release(seg)
+            seg.release(self.store)
             raise
         self.store.write_raw_header(raw, self.cid)
         return header, False
@@ -703,8 +906,9 @@ class _Inbound:
         self._release_views()
         seg, self.segment = self.segment, None
         if seg is not None:
+            self.stores.forget(seg)
             with contextlib.suppress(Exception):
-                self.store.release(seg)
+                seg.release(self.store)
 
 
 # --------------------------------------------------------------------------- replication records
@@ -997,7 +1201,19 @@ class Daemon:
         self.name = f"node-{config.node_id}"
         self.limits = config.limits
         self.rejects = RejectCounters()
-        self.guard = ReplayGuard()
+        # Replay protection that survives a restart without any I/O per message: nothing
+        # timestamped before this start is accepted. Whatever an earlier incarnation accepted
+        # (and whose nonces died with it) was sent before now; legitimate senders build a fresh
+        # message per send, and clients re-send one the daemon refused as older than its start
+        # once their clock passed it. (A persisted high-water mark would only add the messages
+        # of a sender whose clock runs ahead, sent in the last moments before a crash, at the
+        # cost of a write per accepted message or a window of loss; the ±window check assumes
+        # synchronised clocks anyway.)
+        self.started_ns = time.time_ns()
+        self.guard = ReplayGuard(not_before_ns=self.started_ns)
+        # Answers to this daemon's own requests to peers: they echo a random req_id, so a
+        # pre-start floor would add nothing there, only refuse a peer whose clock lags.
+        self.peer_guard = ReplayGuard()
         self.stores = _Stores(config.store_root, config.node_id)
         self.peers = _PeerDirectory(config.node_id, config.peers, config.discover, config.discover_master,
                                     config.peer_timeout_s)
@@ -1235,12 +1451,15 @@ class Daemon:
                          limits=self.limits, counters=self.rejects, peer=label)
         except ProtocolError as exc:
             self._log_reject(exc, label)
-            # Answer authenticated senders (never an unauthenticated one, never a replay).
-            if exc.reason in ("malformed", "version", "unknown_type", "session"):
+            # Answer authenticated senders (never an unauthenticated one, never a duplicate
+            # nonce: the original was answered). Out of the window or older than this start:
+            # answered, never executed; the answer says what this daemon's clock reads, which
+            # a replayer learns nothing from and a skewed or restarted-upon client needs.
+            body = self._rejection_body(exc)
+            if body is not None:
                 info = authenticated_request_info(frames, self.auth, limits=self.limits)
                 if info is not None and info.type_code not in (MessageType.ERROR, MessageType.OK,
                                                                MessageType.HELLO_OK, MessageType.CREDIT):
-                    body = error_body(exc)
                     if info.type_code is not None:
                         body["op"] = info.type_code
                     reply = Message(type=MessageType.ERROR, session=info.session, sender=self.name,
@@ -1263,6 +1482,28 @@ class Daemon:
         except Exception as e:  # never let one request take the daemon down
             logger.exception("handling %s from %s failed", msg.type.name, label)
             self._reply_error(rid, msg, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _rejection_body(self, exc: ProtocolError) -> Optional[Dict[str, Any]]:
+        """The ERROR body answering a message refused while decoding, None: not answered."""
+        if exc.reason in ("malformed", "version", "unknown_type", "session"):
+            return error_body(exc)
+        where = f"node {self.node_id} ({socket.gethostname()})"
+        if isinstance(exc, StaleMessage) and exc.skew_s is not None:
+            return error_body(
+                ErrorCode.CLOCK_SKEW,
+                f"clock skew: your timestamp is {exc.skew_s:+.1f} s from the daemon's clock on {where}, outside "
+                f"the ±{self.guard.window_ns / 1e9:g} s replay window; the request was not executed. Fix: "
+                "synchronise clocks (NTP/chrony) on this host and on the daemon's node",
+                skew_s=float(exc.skew_s), daemon_time_ns=time.time_ns(), node=self.node_id)
+        if isinstance(exc, PredatesStart):
+            return error_body(
+                ErrorCode.REPLAYED,
+                f"message predates this daemon's start at {format_time_ns(self.started_ns)} on {where}: a replay, "
+                "or a message sent before the restart; it was not executed. Fix: resend it as a new message "
+                "(a fresh timestamp is accepted; DaemonClient does so by itself)",
+                retryable=True, daemon_start_ns=self.started_ns, daemon_time_ns=time.time_ns(),
+                node=self.node_id)
+        return None
 
     def _send(self, rid: bytes, msg: Message) -> bool:
         """Non-blocking send on the ROUTER: a peer that does not read loses the answer (and
@@ -1355,13 +1596,35 @@ class Daemon:
     def _on_drop(self, rid: bytes, label: str, msg: Message) -> None:
         store = self.stores.get(msg.session)
         dropped = 0
+        kept = []
         for item in msg.body["ids"]:
             key = (msg.session, item["iteration"], item["owner_rank"])
-            if store is not None and self._drop(store, key):
+            if store is None:
+                continue
+            if self._saved_after(store, key, msg.timestamp_ns):
+                kept.append(f"{key[1]}/{key[2]}")
+                continue
+            if self._drop(store, key):
                 dropped += 1
         if dropped:
             self.event(logging.INFO, "dropped", peer=msg.sender, session=msg.session, count=dropped)
+        if kept:
+            self.event(logging.INFO, "drop_kept_newer", peer=msg.sender, session=msg.session,
+                       ids=",".join(kept[:50]), reason="saved again after the DROP was sent: the DROP named an "
+                       "older save of these ids (delayed, or the sender's clock is behind this node's)")
         self._reply_ok(rid, msg, {"dropped": dropped})
+
+    @staticmethod
+    def _saved_after(store: CheckpointStore, key: Key, sent_ns: int) -> bool:
+        """True if ``key`` was published (header written) or, unpublished, claimed (data file
+        renamed into place) after ``sent_ns``: a DROP names the save that existed when it was
+        sent, never a newer save of the same id (a re-run that saved that iteration again)."""
+        cid = CheckpointId(key[1], key[2], key[0])
+        with contextlib.suppress(OSError):
+            return store.header_path(cid).stat().st_mtime_ns > sent_ns
+        with contextlib.suppress(OSError):
+            return store.data_path(cid).stat().st_ctime_ns > sent_ns
+        return False
 
     def _drop(self, store: CheckpointStore, key: Key) -> bool:
         cid = CheckpointId(key[1], key[2], key[0])
@@ -1565,10 +1828,11 @@ class Daemon:
                 old.abort()
                 self.event(logging.INFO, "transfer_superseded", peer=old.peer, session=key[0], iteration=key[1],
                            owner=key[2], reason=f"a new REPLICATE_BEGIN from {msg.sender}")
-            need = b["total_bytes"]
-            self.stores.check_budget(self.config.memory_budget, msg.session, need)
+            # Admission counts all announced bytes, but the reservation only holds what the
+            # sender may have sent (one credit window beyond what was granted): a sender that
+            # goes silent after BEGIN does not keep other replicas out until --inbound-timeout.
             self._inbound[key] = _Inbound(self.stores, store, key, b, peer=msg.sender, rid=rid, req_id=msg.req_id,
-                                          window=self.config.credit_bytes,
+                                          window=self.config.credit_bytes, budget=self.config.memory_budget,
                                           header_frame=msg.frames[0] if msg.frames else None)
         except StoreFullError as e:
             self._remember_aborted(rid, msg.req_id, ErrorCode.STORE_FULL, str(e))
@@ -1598,12 +1862,15 @@ class Daemon:
             t.last_activity = time.monotonic()  # fault: stop consuming, keep the transfer open
             return
         try:
-            n = t.write(msg.body, msg.frames[0])
+            grant = t.consumed(t.write(msg.body, msg.frames[0]))
         except _TransferError as e:
             self._abort_inbound(t, e.text)
             self._remember_aborted(rid, msg.req_id, e.code, e.text)
             raise
-        grant = t.granter.consumed(n)
+        except StoreFullError as e:  # the reservation could not grow
+            self._abort_inbound(t, str(e))
+            self._remember_aborted(rid, msg.req_id, ErrorCode.STORE_FULL, str(e))
+            raise
         if grant:
             self._send(rid, msg.reply(MessageType.CREDIT, sender=self.name, body={"bytes": grant}))
 
@@ -1833,7 +2100,7 @@ class Daemon:
         timeout = self.config.peer_timeout_s
         own = rpc is None
         rpc = rpc or Rpc(endpoint, self.auth, sender=self.name, role="daemon", context=self.context,
-                         limits=self.limits, replay_guard=self.guard, hello_extra={"node": self.node_id},
+                         limits=self.limits, replay_guard=self.peer_guard, hello_extra={"node": self.node_id},
                          cancel=self._stop,
                          sockopts=_DATA_SOCKOPTS)
         key = (session, it, owner)
@@ -1853,23 +2120,23 @@ class Daemon:
                     if msg.type is MessageType.REPLICATE_BEGIN:
                         if inbound is not None:
                             inbound.abort()
+                            inbound = None
                         store = self.stores.get(session, create=True)
                         try:
-                            self.stores.check_budget(self.config.memory_budget, session, msg.body["total_bytes"])
+                            inbound = _Inbound(self.stores, store, key, msg.body, peer=f"node-{node}",
+                                               window=self.config.credit_bytes, budget=self.config.memory_budget,
+                                               header_frame=msg.frames[0] if msg.frames else None)
                         except StoreFullError as e:
-                            with contextlib.suppress(ProtocolError):
-                                rpc.send(rpc.message(MessageType.ERROR, session, error_body(
-                                    ErrorCode.STORE_FULL, str(e), op=int(MessageType.FETCH)), req_id=req_id),
-                                    timeout_s=1.0)
+                            self._refuse_stream(rpc, session, req_id, e)
                             raise
-                        inbound = _Inbound(self.stores, store, key, msg.body, peer=f"node-{node}",
-                                           window=self.config.credit_bytes,
-                                           header_frame=msg.frames[0] if msg.frames else None)
                         with self._lock:
                             self._pulling[key] = inbound
                     elif msg.type is MessageType.REPLICATE_CHUNK and inbound is not None:
-                        n = inbound.write(msg.body, msg.frames[0])
-                        grant = inbound.granter.consumed(n)
+                        try:
+                            grant = inbound.consumed(inbound.write(msg.body, msg.frames[0]))
+                        except StoreFullError as e:  # the reservation could not grow
+                            self._refuse_stream(rpc, session, req_id, e)
+                            raise
                         if grant:
                             rpc.send(rpc.message(MessageType.CREDIT, session, {"bytes": grant}, req_id=req_id),
                                      timeout_s=timeout)
@@ -1904,6 +2171,13 @@ class Daemon:
         self._retention_due.set()
         return {"stored": True, "already": already, "source_node": node, "total_bytes": header.data_nbytes}
 
+    @staticmethod
+    def _refuse_stream(rpc: Rpc, session: str, req_id: int, e: StoreFullError) -> None:
+        """Tell a FETCH stream's server to stop: this store has no room for it."""
+        with contextlib.suppress(ProtocolError):
+            rpc.send(rpc.message(MessageType.ERROR, session, error_body(
+                ErrorCode.STORE_FULL, str(e), op=int(MessageType.FETCH)), req_id=req_id), timeout_s=1.0)
+
     # ---- LIST across peers --------------------------------------------------------------------
 
     def _peer_rpc(self, node: int, endpoint: str, rpcs: Optional[Dict[int, Rpc]]) -> Tuple[Rpc, bool]:
@@ -1916,7 +2190,7 @@ class Daemon:
             if rpc is not None:
                 rpc.close()
         rpc = Rpc(endpoint, self.auth, sender=self.name, role="daemon", context=self.context, limits=self.limits,
-                  replay_guard=self.guard, hello_extra={"node": self.node_id}, cancel=self._stop)
+                  replay_guard=self.peer_guard, hello_extra={"node": self.node_id}, cancel=self._stop)
         if rpcs is not None:
             rpcs[node] = rpc
             return rpc, False
@@ -2046,6 +2320,7 @@ class Daemon:
             "endpoint": self.endpoint,
             "pid": os.getpid(),
             "uptime_s": round(now - self._t0, 3),
+            "started_at": format_time_ns(self.started_ns),
             "store": {"root": str(self.stores.root), "total_bytes": self._cached_usage[0], **fs,
                       "checkpoints": self._cached_usage[1], "memory_budget": self.config.memory_budget,
                       "keep_last": self.config.keep_last, "sessions": sessions},
@@ -2114,6 +2389,8 @@ class Daemon:
             try:
                 rpc.hello(sessions[0] if sessions else "-", timeout_s=min(2.0, self.config.peer_timeout_s))
                 ok, err = True, None
+            except ClockSkewError as e:  # up, but nothing will work until the clocks agree
+                ok, err = True, str(e)[:300]
             except DaemonError:  # an authenticated answer (e.g. it serves other sessions): it is up
                 ok, err = True, None
             except (ProtocolError, CheckpointingException) as e:
@@ -2316,7 +2593,7 @@ class _PeerPusher:
             return self._rpc
         self._disconnect()
         rpc = Rpc(endpoint, self.d.auth, sender=self.d.name, role="daemon", context=self.d.context,
-                  limits=self.d.limits, replay_guard=self.d.guard, hello_extra={"node": self.d.node_id},
+                  limits=self.d.limits, replay_guard=self.d.peer_guard, hello_extra={"node": self.d.node_id},
                   cancel=self.d._stop,
                   sockopts=_DATA_SOCKOPTS)
         self._monitor = rpc.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
@@ -2464,7 +2741,7 @@ class _PeerPusher:
         from .protocol import recv
 
         try:
-            return recv(rpc.socket, self.d.auth, timeout_ms=100, expected_session=None, replay_guard=self.d.guard,
+            return recv(rpc.socket, self.d.auth, timeout_ms=100, expected_session=None, replay_guard=self.d.peer_guard,
                         limits=self.d.limits, counters=self.d.rejects)
         except PeerTimeout:
             return None

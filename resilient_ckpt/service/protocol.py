@@ -76,6 +76,7 @@ class ErrorCode(str, enum.Enum):
     LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
     AUTH_FAILED = "AUTH_FAILED"
     REPLAYED = "REPLAYED"
+    CLOCK_SKEW = "CLOCK_SKEW"
     WRONG_SESSION = "WRONG_SESSION"
     TIMEOUT = "TIMEOUT"
     UNREACHABLE = "UNREACHABLE"
@@ -169,9 +170,26 @@ class ReplayedMessage(ProtocolError):
 
 
 class StaleMessage(ReplayedMessage):
-    """The timestamp is outside the replay window (clock skew or a delayed replay)."""
+    """The timestamp is outside the replay window (clock skew or a delayed replay).
+
+    ``skew_s``: the message's timestamp minus the receiver's clock, when known. The ERROR
+    answering it says CLOCK_SKEW: for a sender whose tag verifies, a skewed clock is by far
+    the likelier cause (an old replay gets the same answer and learns nothing from it).
+    """
 
     reason = "stale"
+    code = ErrorCode.CLOCK_SKEW
+    skew_s: Optional[float] = None
+
+
+class PredatesStart(ReplayedMessage):
+    """The timestamp is older than the receiving daemon's start: a replay of a message that an
+    earlier incarnation of the daemon may have accepted (its nonces died with it), or a
+    message encoded before the restart. ``not_before_ns`` is the start (receiver's clock)."""
+
+    reason = "predates_start"
+    not_before_ns: Optional[int] = None
+    skew_s: Optional[float] = None
 
 
 class WrongSession(ProtocolError):
@@ -1334,18 +1352,34 @@ def recv(
     counters: Optional["RejectCounters"] = None,
 ) -> Message:
     """Receive and decode one message on a DEALER; PeerTimeout after ``timeout_ms``."""
-    _check_socket(sock, None)
-    label = _socket_label(sock)
-    try:
-        parts = _recv_parts(sock, timeout_ms, limits, 0, label)
-    except LimitExceeded as exc:
-        if counters is not None:
-            counters.record(exc)
-        raise
+    label, parts = recv_raw(sock, timeout_ms=timeout_ms, limits=limits, counters=counters)
     return decode(
         parts, authenticator, expected_session=expected_session, replay_guard=replay_guard,
         limits=limits, counters=counters, peer=label,
     )
+
+
+def recv_raw(
+    sock: zmq.Socket,
+    *,
+    timeout_ms: int,
+    limits: Limits = DEFAULT_LIMITS,
+    counters: Optional["RejectCounters"] = None,
+) -> Tuple[str, list]:
+    """One message on a DEALER, not yet decoded: ``(peer label, frames)``.
+
+    For a requester that must look at an authenticated answer the replay guard refuses (a
+    daemon's CLOCK_SKEW error carries the daemon's clock, which a skewed requester's guard
+    rejects in turn); decode with :func:`decode` and ``peer=label``.
+    """
+    _check_socket(sock, None)
+    label = _socket_label(sock)
+    try:
+        return label, _recv_parts(sock, timeout_ms, limits, 0, label)
+    except LimitExceeded as exc:
+        if counters is not None:
+            counters.record(exc)
+        raise
 
 
 def recv_from(
@@ -1471,6 +1505,7 @@ __all__ = [
     "ProtocolConfigError",
     "ProtocolError",
     "RESULT_SCHEMAS",
+    "PredatesStart",
     "ReplayedMessage",
     "SCHEMAS",
     "SUPPORTED_VERSIONS",
@@ -1487,6 +1522,7 @@ __all__ = [
     "error_body",
     "negotiate_version",
     "recv",
+    "recv_raw",
     "recv_from",
     "recv_raw_from",
     "RequestInfo",
