@@ -67,7 +67,7 @@ def random_layout(world: int, n: int, seed: int = 0) -> Layout:
 def balance_figures() -> List[str]:
     from megatron.core.dist_checkpointing.exchange_utils import distribute_shards_to_ranks
 
-    from resilient_ckpt.distribution import assign_shards, rank_loads
+    from resilient_ckpt.parallel.distribution import assign_shards, rank_loads
 
     layouts = {
         "GPT-like DP=8, 96 layers": gpt_like(8, 96),
@@ -98,8 +98,8 @@ def balance_figures() -> List[str]:
 def _cycle_rank(ctx, n_shards: int):
     import torch
 
-    from resilient_ckpt.mapping import ShardedObject, ShardedTensor
-    from resilient_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
+    from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
+    from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
 
     r, w = ctx.rank, ctx.world_size
 

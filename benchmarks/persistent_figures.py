@@ -75,9 +75,9 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     from resilient_ckpt import ShardedTensor
-    from resilient_ckpt.dcp import CountingStorageReader, SafeFileSystemReader, load_local
-    from resilient_ckpt.manager import CheckpointManager
-    from resilient_ckpt.persistent import PersistentTier, two_stage_load
+    from resilient_ckpt.persistent.dcp import CountingStorageReader, SafeFileSystemReader, load_local
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+    from resilient_ckpt.persistent.tier import PersistentTier, two_stage_load
 
     root = Path(args.dir)
     per_tensor = args.size_mb * (1 << 20) // args.tensors // 4

@@ -149,7 +149,7 @@ class Daemons:
     """Two daemon processes on loopback, node 0 and node 1, in separate store roots."""
 
     def __init__(self, root: Path, total: int, extra: List[str]):
-        from resilient_ckpt.service.auth import write_secret_file
+        from resilient_ckpt.service.wire.auth import write_secret_file
         from resilient_ckpt.service.client import DaemonClient
 
         self.root = root
@@ -175,8 +175,8 @@ class Daemons:
     def _publish(self, node: int, owner: int, nbytes: int):
         import torch
 
-        from resilient_ckpt import checksum
-        from resilient_ckpt.store import CheckpointHeader, CheckpointStore, plan_layout
+        from resilient_ckpt.memory import checksum
+        from resilient_ckpt.memory.store import CheckpointHeader, CheckpointStore, plan_layout
 
         store = CheckpointStore(self.root / f"node{node}", "bench")
         # 64 tensors, like a model's parameters and optimizer states, not one blob

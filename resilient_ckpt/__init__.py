@@ -9,22 +9,17 @@ import warnings as _warnings
 _warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
 
 from .errors import CheckpointingException  # noqa: E402
-from .mapping import (  # noqa: E402
-    LocalNonpersistentObject,
-    ShardedObject,
-    ShardedTensor,
-    is_main_replica,
-)
-from .validation import StrictHandling  # noqa: E402
+from .model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, is_main_replica  # noqa: E402
+from .model.validation import StrictHandling  # noqa: E402
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "MCoreTensorAwareStateDict": ".tensor_aware_state_dict",
-    "CheckpointManager": ".manager",
-    "SaveHandle": ".manager",
-    "CheckpointHook": ".hooks",
-    "TrainState": ".torch_state",
+    "MCoreTensorAwareStateDict": ".parallel.tensor_aware_state_dict",
+    "CheckpointManager": ".manager.checkpoint_manager",
+    "SaveHandle": ".manager.checkpoint_manager",
+    "CheckpointHook": ".manager.hooks",
+    "TrainState": ".model.torch_state",
 }
 
 

@@ -117,7 +117,7 @@ def _mp_context():
         _CTX = mp.get_context("forkserver")
         # Everything a rank imports, once: each rank then starts in a fraction of a second.
         _CTX.set_forkserver_preload(
-            ["torch", "torch.distributed", "resilient_ckpt", "resilient_ckpt.codec", "resilient_ckpt.manager"]
+            ["torch", "torch.distributed", "resilient_ckpt", "resilient_ckpt.model.codec", "resilient_ckpt.manager.checkpoint_manager"]
         )
     return _CTX
 

@@ -14,7 +14,7 @@ import pytest
 def test_bench_quick_compares_every_system_with_the_baseline_and_the_limits(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_ckpt.cli", "bench", "--quick", "--json", str(out), "--plot", str(png)],
+        [sys.executable, "-m", "resilient_ckpt.cli.main", "bench", "--quick", "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

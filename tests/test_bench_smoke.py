@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from resilient_ckpt.bench import limits, runner, workload
 from resilient_ckpt.bench.workload import Workload, layout, parse_size, verify
 from resilient_ckpt.errors import ValidationError
-from resilient_ckpt.nested import map_leaves
+from resilient_ckpt.model.nested import map_leaves
 
 MIB = 1 << 20
 

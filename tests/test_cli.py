@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient_ckpt import checksum
-from resilient_ckpt.service import cli as svc_cli
-from resilient_ckpt.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
+from resilient_ckpt.memory import checksum
+from resilient_ckpt.cli import service as svc_cli
+from resilient_ckpt.memory.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -284,7 +284,7 @@ def test_owner_ranges_stay_short_for_large_jobs():
 
 
 def test_secret_writes_a_0600_file_the_daemon_accepts_and_refuses_to_overwrite(tmp_root, capsys):
-    from resilient_ckpt.service.auth import load_secret
+    from resilient_ckpt.service.wire.auth import load_secret
 
     path = tmp_root / "job.secret"
     code, out, _ = _run(svc_cli.secret_main, [str(path)], capsys)
@@ -299,7 +299,7 @@ def test_secret_writes_a_0600_file_the_daemon_accepts_and_refuses_to_overwrite(t
 
 
 def test_derived_secrets_agree_for_one_label_and_differ_between_labels(tmp_root, capsys):
-    from resilient_ckpt.service.auth import load_secret
+    from resilient_ckpt.service.wire.auth import load_secret
 
     key = tmp_root / "cluster.key"
     assert _run(svc_cli.secret_main, [str(key)], capsys)[0] == 0
@@ -325,13 +325,13 @@ def test_commands_are_registered_in_the_resilient_ckpt_entry_point(root):
     env = dict(os.environ, COLUMNS="200")
     env.pop("RESILIENT_CKPT_ENDPOINT", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_ckpt.cli", "ls", "--store-root", str(root), "--session", "job-b"],
+        [sys.executable, "-m", "resilient_ckpt.cli.main", "ls", "--store-root", str(root), "--session", "job-b"],
         capture_output=True, text=True, env=env, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert "local copies of 1/2 owners" in proc.stdout
     helptext = subprocess.run(
-        [sys.executable, "-m", "resilient_ckpt.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "resilient_ckpt.cli.main", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     for name in ("ls", "drop", "status", "secret"):
         assert f"    {name} " in helptext or f"\n    {name}\n" in helptext, helptext
@@ -353,7 +353,7 @@ def cluster(tmp_root, monkeypatch):
     """
     from harness import free_port
 
-    from resilient_ckpt.service.auth import Authenticator
+    from resilient_ckpt.service.wire.auth import Authenticator
     from resilient_ckpt.service.daemon import Daemon, DaemonConfig
 
     monkeypatch.setenv("RESILIENT_CKPT_SECRET", SECRET)
@@ -391,9 +391,9 @@ def _wait_for(predicate, what, timeout=15.0):
 
 def test_status_shows_node_version_store_peers_in_flight_and_rejects(cluster, capsys):
     import resilient_ckpt
-    from resilient_ckpt.service.auth import Authenticator
+    from resilient_ckpt.service.wire.auth import Authenticator
     from resilient_ckpt.service.client import DaemonClient
-    from resilient_ckpt.service.protocol import PROTOCOL_VERSION, PeerTimeout
+    from resilient_ckpt.service.wire.protocol import PROTOCOL_VERSION, PeerTimeout
 
     peers, roots = cluster
     _wait_for(lambda: _status_json(peers[1], capsys)["daemon"]["peers"][0]["reachable"], "node 1 to see node 0")
@@ -505,12 +505,12 @@ def test_serve_runs_a_daemon_that_status_reaches_and_sigterm_stops(tmp_root):
     env = dict(os.environ, RESILIENT_CKPT_SECRET_FILE=str(secret), COLUMNS="200")
     env.pop("RESILIENT_CKPT_SECRET", None)
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "resilient_ckpt.cli", "serve", "--store-root", str(tmp_root / "shm"),
+        [sys.executable, "-m", "resilient_ckpt.cli.main", "serve", "--store-root", str(tmp_root / "shm"),
          "--bind", f"tcp://127.0.0.1:{port}", "--node-id", "3", "--log-format", "json"],
         env=env, stderr=subprocess.PIPE, text=True,
     )
     try:
-        status = [sys.executable, "-m", "resilient_ckpt.cli", "status", "--endpoint", f"tcp://127.0.0.1:{port}"]
+        status = [sys.executable, "-m", "resilient_ckpt.cli.main", "status", "--endpoint", f"tcp://127.0.0.1:{port}"]
         for _ in range(30):  # the daemon imports torch first: give it a few seconds
             proc = subprocess.run(status + ["--json", "--timeout", "1"], env=env, capture_output=True, text=True, timeout=60)
             if proc.returncode != 2:

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from hypothesis.vendor import pretty
 
-from resilient_ckpt import codec
-from resilient_ckpt.codec import FORMAT_VERSION, decode, encode, register_type
+from resilient_ckpt.model import codec
+from resilient_ckpt.model.codec import FORMAT_VERSION, decode, encode, register_type
 from resilient_ckpt.errors import CodecError
-from resilient_ckpt.mapping import ShardedObject, ShardedTensor
-from resilient_ckpt.nested import HOLE
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
+from resilient_ckpt.model.nested import HOLE
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning"),

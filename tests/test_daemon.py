@@ -29,10 +29,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import free_port
-from resilient_ckpt import checksum
+from resilient_ckpt.memory import checksum
 from resilient_ckpt.errors import NoReplicaError, ReplicationError, StoreFullError
 from resilient_ckpt.replication.placement import ring_placement
-from resilient_ckpt.service.auth import Authenticator, generate_secret, write_secret_file
+from resilient_ckpt.service.wire.auth import Authenticator, generate_secret, write_secret_file
 from resilient_ckpt.service.client import (
     DaemonClient,
     DaemonError,
@@ -51,7 +51,7 @@ from resilient_ckpt.service.daemon import (
     parse_bytes,
     parse_peers,
 )
-from resilient_ckpt.service.protocol import (
+from resilient_ckpt.service.wire.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     Message,
@@ -64,7 +64,7 @@ from resilient_ckpt.service.protocol import (
     send,
 )
 from resilient_ckpt.service.replicator import ServiceReplicator
-from resilient_ckpt.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
+from resilient_ckpt.memory.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
 
 SESSION = "svc-test"
 SECRET = generate_secret()

@@ -14,8 +14,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resilient_ckpt.service.auth import Authenticator, ReplayGuard, generate_secret
-from resilient_ckpt.service.protocol import (
+from resilient_ckpt.service.wire.auth import Authenticator, ReplayGuard, generate_secret
+from resilient_ckpt.service.wire.protocol import (
     PROTOCOL_VERSION,
     Message,
     MessageType,
@@ -24,7 +24,7 @@ from resilient_ckpt.service.protocol import (
     decode,
     encode,
 )
-from resilient_ckpt.store import CheckpointStore
+from resilient_ckpt.memory.store import CheckpointStore
 from test_daemon import AUTH, SESSION, ProcessCluster, publish_checkpoint, tree_snapshot
 
 pytestmark = pytest.mark.multiprocess

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from resilient_ckpt import ShardedObject, ShardedTensor
-from resilient_ckpt.dcp import (
+from resilient_ckpt.persistent.dcp import (
     MetadataStateDictLoadPlanner,
     ResilientLoadPlanner,
     ResilientSavePlanner,
@@ -27,9 +27,9 @@ from resilient_ckpt.dcp import (
     load_metadata_only,
     read_metadata_file,
 )
-from resilient_ckpt.distribution import compute_distribution, structure_fingerprint
+from resilient_ckpt.parallel.distribution import compute_distribution, structure_fingerprint
 from resilient_ckpt.errors import CodecError, CorruptCheckpointError, ValidationError
-from resilient_ckpt.validation import shard_record
+from resilient_ckpt.model.validation import shard_record
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -376,7 +376,7 @@ def test_second_save_of_the_same_structure_sends_no_full_plans_to_the_coordinato
 
 
 def test_inspect_and_convert_read_a_checkpoint_written_by_torch(tmp_path, capsys):
-    from resilient_ckpt.inspect_cli import convert_main, inspect_main
+    from resilient_ckpt.cli.inspect import convert_main, inspect_main
 
     w = torch.randn(3, 2, dtype=torch.bfloat16)
     dcp.save({"model": {"w": w}, "step": 4}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)

@@ -23,10 +23,10 @@ import yaml
 
 from harness import free_port
 from resilient_ckpt.service import daemon
-from resilient_ckpt.service.auth import Authenticator, load_secret, write_secret_file
-from resilient_ckpt.service.cli import derive_secret
+from resilient_ckpt.service.wire.auth import Authenticator, load_secret, write_secret_file
+from resilient_ckpt.cli.service import derive_secret
 from resilient_ckpt.service.client import DaemonClient
-from resilient_ckpt.store import CheckpointId, CheckpointStore
+from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

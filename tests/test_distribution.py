@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import run_ranks
-from resilient_ckpt.distribution import (
+from resilient_ckpt.parallel.distribution import (
     ShardDistribution,
     assign_shards,
     check_cached,
@@ -21,8 +21,8 @@ from resilient_ckpt.distribution import (
     structure_fingerprint,
 )
 from resilient_ckpt.errors import ValidationError
-from resilient_ckpt.mapping import ShardedObject, ShardedTensor
-from resilient_ckpt.validation import shard_record
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
+from resilient_ckpt.model.validation import shard_record
 
 
 
@@ -228,8 +228,8 @@ def _state(rank, world, step):
 
 
 def _distribution_rank(ctx):
-    from resilient_ckpt import collectives
-    from resilient_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from resilient_ckpt.parallel import collectives
+    from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     gathers = []
     orig = collectives.all_gather_msgpack

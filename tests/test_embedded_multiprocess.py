@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import resilient_ckpt.codec  # noqa: F401  (imported here so rank processes load it up front)
+import resilient_ckpt.model.codec  # noqa: F401  (imported here so rank processes load it up front)
 from harness import KILLED, node_store_root, run_ranks
 from resilient_ckpt.errors import CheckpointingException, CodecError, ValidationError
-from resilient_ckpt.manager import CheckpointManager
-from resilient_ckpt.mapping import ShardedObject, ShardedTensor
-from resilient_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
+from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
 pytestmark = pytest.mark.multiprocess
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from harness import run_ranks
 from resilient_ckpt.errors import ValidationError
-from resilient_ckpt.exchange import (
+from resilient_ckpt.parallel.exchange import (
     EXCHANGE_ALGOS,
     _buckets,
     check_algo,
@@ -112,7 +112,8 @@ def _tensor(i):
 
 
 def _exchange_rank(ctx, algo):
-    from resilient_ckpt import collectives, exchange
+    from resilient_ckpt.parallel import collectives
+    from resilient_ckpt.parallel import exchange
 
     n, me = ctx.world_size, ctx.rank
     shards = list(range(24))

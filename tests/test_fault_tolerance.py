@@ -23,9 +23,9 @@ import torch.distributed as dist
 from harness import KILLED, node_store_root, run_ranks
 from resilient_ckpt import ShardedObject, ShardedTensor
 from resilient_ckpt.errors import CheckpointingException, PeerFailedError
-from resilient_ckpt.hooks import CheckpointHook
-from resilient_ckpt.manager import CheckpointManager
-from resilient_ckpt.store import CheckpointStore, InvalidSessionError
+from resilient_ckpt.manager.hooks import CheckpointHook
+from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+from resilient_ckpt.memory.store import CheckpointStore, InvalidSessionError
 
 pytestmark = pytest.mark.multiprocess
 
@@ -389,7 +389,7 @@ def test_garbage_in_the_store_root_is_ignored_alike_on_every_node(tmp_root):
 
 def test_a_header_of_another_format_version_names_itself_when_its_iteration_is_saved(tmp_root):
     from resilient_ckpt.errors import StoreError
-    from resilient_ckpt.store import CheckpointHeader, FORMAT_VERSION
+    from resilient_ckpt.memory.store import CheckpointHeader, FORMAT_VERSION
 
     store = CheckpointStore(tmp_root, "fv", world_size=1)
     seg = store.allocate(5, 0, 256)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from resilient_ckpt import CheckpointHook, CheckpointManager, ShardedTensor, TrainState
-from resilient_ckpt import staging
+from resilient_ckpt.memory import staging
 from resilient_ckpt.errors import CheckpointingException, StoreFullError, ValidationError
 
 

@@ -45,7 +45,7 @@ def _both_rank(ctx, tp):
             MCoreTensorAwareStateDict as Theirs,
         )
 
-    from resilient_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict as Ours
+    from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict as Ours
 
     r, w = ctx.rank, ctx.world_size
     group = dp_group(ctx, tp)
@@ -99,7 +99,7 @@ def _megatron_lm_local_ckpt_rank(ctx, tp):
         from megatron.core.dist_checkpointing.tensor_aware_state_dict import (
             MCoreTensorAwareStateDict as Theirs,
         )
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     r, w = ctx.rank, ctx.world_size
     group = dp_group(ctx, tp)

@@ -49,7 +49,7 @@ def _nvrx_rank(ctx, replicate, lose_own_copy):
         CliqueReplicationStrategy,
     )
 
-    from resilient_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
+    from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
 
     r, w = ctx.rank, ctx.world_size
 

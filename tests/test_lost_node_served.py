@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import node_store_root, run_ranks
-from resilient_ckpt.mapping import ShardedTensor
+from resilient_ckpt.model.mapping import ShardedTensor
 
 
 def _state(rank, world, it, empty=False):
@@ -22,7 +22,7 @@ def _state(rank, world, it, empty=False):
 
 
 def _save(ctx):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     m = CheckpointManager("served", store_root=ctx.store_root, ranks_per_node=1, replication_factor=3)
     m.save_local(_state(ctx.rank, ctx.world_size, 5), 5).wait()
@@ -30,7 +30,7 @@ def _save(ctx):
 
 
 def _load(ctx):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     m = CheckpointManager("served", store_root=ctx.store_root, ranks_per_node=1, replication_factor=3)
     template = _state(ctx.rank, ctx.world_size, 0, empty=True)
@@ -60,7 +60,7 @@ def test_lost_rank_is_served_by_an_intact_replica_when_another_is_corrupt(tmp_ro
 
 
 def _save2(ctx):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     m = CheckpointManager("local-replica", store_root=ctx.store_root, ranks_per_node=1)
     m.save_local(_state(ctx.rank, ctx.world_size, 6), 6).wait()
@@ -68,7 +68,7 @@ def _save2(ctx):
 
 
 def _load2(ctx):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     m = CheckpointManager("local-replica", store_root=ctx.store_root, ranks_per_node=1)
     state, it = m.load_local(_state(ctx.rank, ctx.world_size, 0, empty=True))

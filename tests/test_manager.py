@@ -16,10 +16,10 @@ from resilient_ckpt.errors import (
     StoreFullError,
     ValidationError,
 )
-from resilient_ckpt.manager import FAULT_POINTS, MAX_ITERATION, CheckpointManager
-from resilient_ckpt.mapping import ShardedObject, ShardedTensor
-from resilient_ckpt.store import CheckpointHeader, CheckpointStore, plan_layout
-from resilient_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from resilient_ckpt.manager.checkpoint_manager import FAULT_POINTS, MAX_ITERATION, CheckpointManager
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
+from resilient_ckpt.memory.store import CheckpointHeader, CheckpointStore, plan_layout
+from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
 
 def _sd(step: int, fill: bool = True):
@@ -382,7 +382,7 @@ def test_nvrx_style_failed_async_save_raises_in_finalize(tmp_root):
 def test_a_corrupt_copy_is_excluded_for_its_whole_node_so_a_remote_replica_is_reached(monkeypatch):
     """Eight ranks on one node share a store: when rank 0's copy fails verification there, no
     other rank of that node is tried (same file); the replica on the other node serves it."""
-    from resilient_ckpt import restore
+    from resilient_ckpt.manager import restore
 
     world = 9  # ranks 0-7 on node "a", rank 8 on node "b" (holds the replica of rank 0)
     held = [{(5, r): 100 for r in range(8)} if r < 8 else {(5, 0): 100, (5, 8): 100} for r in range(world)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import node_store_root, run_ranks
-from resilient_ckpt.mapping import ShardedObject, ShardedTensor
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
 
 
 def _state(rank, world, it, empty=False):
@@ -24,7 +24,7 @@ def _state(rank, world, it, empty=False):
 
 
 def _save(ctx, durable_dir):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     m = CheckpointManager("persist", store_root=ctx.store_root, ranks_per_node=1,
                           persistent_dir=durable_dir, flush_every=2, timeout_s=30)
@@ -36,7 +36,7 @@ def _save(ctx, durable_dir):
 
 
 def _load(ctx, durable_dir):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     m = CheckpointManager("persist", store_root=ctx.store_root, ranks_per_node=1,
                           persistent_dir=durable_dir, timeout_s=30)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import KILLED, run_ranks
-from resilient_ckpt.mapping import ShardedTensor
+from resilient_ckpt.model.mapping import ShardedTensor
 from test_daemon import SESSION, ProcessCluster, wait_for
 
 pytestmark = pytest.mark.multiprocess
@@ -26,7 +26,7 @@ def _state(rank, world, it, empty=False):
 
 
 def _manager(ctx, endpoints):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     return CheckpointManager(SESSION, store_root=ctx.store_root, mode="service",
                              endpoint=endpoints[ctx.node], timeout_s=30)

@@ -13,7 +13,7 @@ with warnings.catch_warnings():  # megatron-core warns about optional extras at 
     from megatron.core.dist_checkpointing import mapping as mcore
 
 from resilient_ckpt.errors import ValidationError
-from resilient_ckpt.mapping import (
+from resilient_ckpt.model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,

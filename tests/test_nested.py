@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.errors import CheckpointingException, ValidationError
-from resilient_ckpt.nested import (
+from resilient_ckpt.model.nested import (
     HOLE,
     has_holes,
     map_leaves,

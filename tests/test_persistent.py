@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from harness import node_store_root, run_ranks
 
 from resilient_ckpt import ShardedObject, ShardedTensor
-from resilient_ckpt.dcp import (
+from resilient_ckpt.persistent.dcp import (
     CountingStorageReader,
     SafeFileSystemReader,
     hollow_fqn,
@@ -29,9 +29,9 @@ from resilient_ckpt.dcp import (
     read_metadata_file,
 )
 from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError
-from resilient_ckpt.inspect_cli import convert_main, export_main, inspect_main
-from resilient_ckpt.persistent import PersistentTier, StoreSnapshot, restore_latest
-from resilient_ckpt.store import CheckpointId, CheckpointStore
+from resilient_ckpt.cli.inspect import convert_main, export_main, inspect_main
+from resilient_ckpt.persistent.tier import PersistentTier, StoreSnapshot, restore_latest
+from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 
 SESSION = "persist-test"
 DDP_DIM = (6, 5)
@@ -53,7 +53,7 @@ def _sharded_state(step: int, rank: int, world: int):
     per-rank objects and common values; its tensors differ per step."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    from resilient_ckpt.torch_state import to_sharded_tensor
+    from resilient_ckpt.model.torch_state import to_sharded_tensor
 
     model = _ddp_model(step)
     mesh = init_device_mesh("cpu", (world,))
@@ -75,10 +75,10 @@ def _job(ctx):
     """Save 10 and 20 into memory, flush 10, then load it every way there is."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    from resilient_ckpt.distribution import compute_distribution
-    from resilient_ckpt.manager import CheckpointManager
-    from resilient_ckpt.nested import nested_values
-    from resilient_ckpt.persistent import two_stage_load
+    from resilient_ckpt.parallel.distribution import compute_distribution
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+    from resilient_ckpt.model.nested import nested_values
+    from resilient_ckpt.persistent.tier import two_stage_load
 
     r, w = ctx.rank, ctx.world_size
     out = {}
@@ -120,7 +120,7 @@ def _job(ctx):
     stats = two_stage_load(two, counting, None)
     naive_reader = CountingStorageReader(SafeFileSystemReader(ckpt))
     naive = template()
-    from resilient_ckpt.dcp import load_local
+    from resilient_ckpt.persistent.dcp import load_local
 
     load_local(naive, naive_reader)
     out["two_stage"] = {
@@ -355,7 +355,7 @@ def test_a_missing_shard_file_is_named_before_anything_is_read(job, tmp_path):
 
 
 def _fallback(ctx):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     r, w = ctx.rank, ctx.world_size
     mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1)
@@ -407,7 +407,7 @@ def test_restore_falls_back_to_the_persistent_tier_on_every_rank_when_a_rank_is_
 
 
 def _periodic(ctx):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     r, w = ctx.rank, ctx.world_size
     # keep_last=10: the manager must not retire an iteration while it is being flushed (see
@@ -447,7 +447,7 @@ def test_periodic_flush_every_m_saves_keeps_last_k_and_sigterm_flushes_the_newes
 
 
 def _single_process_store(root: Path, iterations=(10,)):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     mgr = CheckpointManager(SESSION, str(root / "shm"), replication_factor=1)
     for it in iterations:

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.errors import CheckpointingException
-from resilient_ckpt.service import auth as auth_mod
-from resilient_ckpt.service.auth import (
+from resilient_ckpt.service.wire import auth as auth_mod
+from resilient_ckpt.service.wire.auth import (
     Authenticator,
     RejectCounters,
     ReplayGuard,
@@ -28,7 +28,7 @@ from resilient_ckpt.service.auth import (
     load_secret,
     write_secret_file,
 )
-from resilient_ckpt.service.protocol import (
+from resilient_ckpt.service.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     AuthenticationError,

@@ -15,7 +15,7 @@ from harness import run_ranks
 from resilient_ckpt.errors import ReplicationError
 from resilient_ckpt.service.client import DaemonClient
 from resilient_ckpt.service.daemon import FAULTS_ENV
-from resilient_ckpt.store import CheckpointId, CheckpointStore
+from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 from test_daemon import (
     SESSION,
     DaemonProcess,

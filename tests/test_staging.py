@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from resilient_ckpt.manager import MAX_ITERATION, CheckpointManager
-from resilient_ckpt.mapping import ShardedTensor
-from resilient_ckpt.staging import SegmentPrefetcher, Stager
-from resilient_ckpt.store import CheckpointStore, plan_layout
+from resilient_ckpt.manager.checkpoint_manager import MAX_ITERATION, CheckpointManager
+from resilient_ckpt.model.mapping import ShardedTensor
+from resilient_ckpt.memory.staging import SegmentPrefetcher, Stager
+from resilient_ckpt.memory.store import CheckpointStore, plan_layout
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning"),

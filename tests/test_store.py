@@ -12,14 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resilient_ckpt import checksum
+from resilient_ckpt.memory import checksum
 from resilient_ckpt.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
     StoreError,
     StoreFullError,
 )
-from resilient_ckpt.store import (
+from resilient_ckpt.memory.store import (
     FORMAT_VERSION,
     CheckpointHeader,
     CheckpointId,

@@ -9,7 +9,7 @@ import torch
 
 from resilient_ckpt import ShardedObject, ShardedTensor
 from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError, ValidationError
-from resilient_ckpt.strategies import (
+from resilient_ckpt.persistent.strategies import (
     DcpLoadCommonStrategy,
     DcpLoadShardedStrategy,
     DcpSaveCommonStrategy,
@@ -78,7 +78,7 @@ def test_a_registered_strategy_becomes_the_default():
     try:
         assert isinstance(get_default_strategy(StrategyAction.LOAD_SHARDED, "dcp", 2), V2)
     finally:
-        from resilient_ckpt import strategies
+        from resilient_ckpt.persistent import strategies
 
         del strategies._REGISTRY[(StrategyAction.LOAD_SHARDED, "dcp", 2)]
 
@@ -129,7 +129,7 @@ def test_dcp_load_strategy_refuses_a_newer_format_and_names_missing_common_state
 
 
 def test_memory_strategies_save_and_restore_through_the_manager(tmp_path):
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     mgr = CheckpointManager("strat", str(tmp_path / "shm"), replication_factor=1)
     try:

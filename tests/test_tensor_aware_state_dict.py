@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from harness import run_ranks
-from resilient_ckpt import codec
+from resilient_ckpt.model import codec
 from resilient_ckpt.errors import CheckpointingException, HollowStateError, ValidationError
-from resilient_ckpt.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
-from resilient_ckpt.nested import HOLE
-from resilient_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
-from resilient_ckpt.validation import StrictHandling
+from resilient_ckpt.model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
+from resilient_ckpt.model.nested import HOLE
+from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
+from resilient_ckpt.model.validation import StrictHandling
 
 
 def _mcore():

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.errors import CheckpointingException, ValidationError
-from resilient_ckpt.mapping import ShardedObject, ShardedTensor
-from resilient_ckpt.validation import (
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
+from resilient_ckpt.model.validation import (
     StrictHandling,
     apply_strictness,
     determine_mismatch,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict
 
-from ..manager import CheckpointManager
+from ..manager.checkpoint_manager import CheckpointManager
 from .runner import RankContext, SaveHandle
 
 

@@ -186,7 +186,7 @@ class System(Protocol):
     """One benchmarked checkpointing system; an instance lives in each rank process.
 
     Class attributes: ``name`` (shown in reports) and ``flavour`` - the workload's mapping
-    objects it consumes: ``"ours"`` (resilient_ckpt.mapping) or ``"mcore"`` (megatron-core).
+    objects it consumes: ``"ours"`` (resilient_ckpt.model.mapping) or ``"mcore"`` (megatron-core).
     Optional classmethods: ``start_nodes(cluster: ClusterSpec) -> NodeServices`` (called in
     the runner before each repetition's first phase) and
     ``memory_estimate(bytes_per_rank, world_size) -> int`` (host bytes for the whole run;

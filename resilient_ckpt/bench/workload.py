@@ -317,7 +317,7 @@ def _common(lay: Layout, iteration: int) -> Dict[str, Any]:
 
 def _mapping_module(flavour: str):
     if flavour == "ours":
-        from .. import mapping
+        from ..model import mapping
 
         return mapping
     if flavour == "mcore":
@@ -407,7 +407,7 @@ def build(
     seed: int = 0,
     iteration: int = 0,
 ) -> Dict[str, Any]:
-    """The sharded state dict of ``rank``: resilient_ckpt.mapping objects (``flavour="ours"``)
+    """The sharded state dict of ``rank``: resilient_ckpt.model.mapping objects (``flavour="ours"``)
     or megatron-core's (``"mcore"``), same layout and content either way."""
     return Workload(
         bytes_per_rank, world_size, rank, flavour=flavour, dp_size=dp_size, seed=seed,

@@ -327,7 +327,7 @@ def _mp_context():
         # CPU per rank, ~3 s per launch of 4 ranks on 2 cores when paid after the fork).
         _CTX.set_forkserver_preload([
             "resilient_ckpt", "torch", "torch.distributed", "torch._inductor.config",
-            "resilient_ckpt.demo.worker", "resilient_ckpt.hooks",
+            "resilient_ckpt.demo.worker", "resilient_ckpt.manager.hooks",
         ])
     return _CTX
 

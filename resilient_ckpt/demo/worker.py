@@ -74,7 +74,7 @@ def service_mode_missing(demo: bool = False) -> Optional[str]:
     import importlib.util
     import inspect
 
-    from resilient_ckpt.manager import CheckpointManager
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     if "endpoint" not in inspect.signature(CheckpointManager).parameters:
         return "this build's CheckpointManager has no service client (no endpoint= argument)"

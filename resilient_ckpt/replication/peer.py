@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from ..errors import ReplicationError, StoreError
-from ..store import CheckpointHeader, CheckpointId, CheckpointStore, Segment
+from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, Segment
 from .healing import Repair
 from .placement import Placement
 from .transport import Incoming, Outgoing, P2PTransport

@@ -8,7 +8,7 @@ daemon and the trainer-side client build on these. docs/protocol.md is the speci
 
 from __future__ import annotations
 
-from .auth import (
+from .wire.auth import (
     Authenticator,
     RejectCounters,
     ReplayGuard,
@@ -17,7 +17,7 @@ from .auth import (
     load_secret,
     write_secret_file,
 )
-from .protocol import (
+from .wire.protocol import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,

@@ -21,8 +21,8 @@ import xxhash
 import zmq
 
 from ..errors import CorruptCheckpointError, NoReplicaError, ReplicationError, StoreFullError
-from .auth import Authenticator, ReplayGuard, authenticator_from_env
-from .protocol import (
+from .wire.auth import Authenticator, ReplayGuard, authenticator_from_env
+from .wire.protocol import (
     DEFAULT_LIMITS,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,

@@ -57,11 +57,23 @@ import xxhash
 import zmq
 import zmq.utils.monitor
 
-from .. import checksum
-from ..errors import CheckpointingException, CorruptCheckpointError, ReplicationError, StoreError, StoreFullError
+from ..memory import checksum
+from ..errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    ReplicationError,
+    StoreError,
+    StoreFullError,
+)
 from ..replication.placement import Placement
-from ..store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore
-from .auth import Authenticator, RejectCounters, ReplayGuard, authenticator_from_env, format_time_ns
+from ..memory.store import DEFAULT_ROOT, CheckpointHeader, CheckpointId, CheckpointStore
+from .wire.auth import (
+    Authenticator,
+    RejectCounters,
+    ReplayGuard,
+    authenticator_from_env,
+    format_time_ns,
+)
 from .client import (
     ClockSkewError,
     DaemonError,
@@ -72,7 +84,7 @@ from .client import (
     header_digest,
     plan_recovery,
 )
-from .protocol import (
+from .wire.protocol import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     CreditGranter,
@@ -2738,7 +2750,7 @@ class _PeerPusher:
                     outcome["stored"] = True
 
     def _recv(self, rpc: Rpc) -> Optional[Message]:
-        from .protocol import recv
+        from .wire.protocol import recv
 
         try:
             return recv(rpc.socket, self.d.auth, timeout_ms=100, expected_session=None, replay_guard=self.d.peer_guard,

@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 class LocalDaemonCluster:
     def __init__(self, roots: Sequence[Path], workdir: Path, session: str):
-        from .auth import write_secret_file
+        from .wire.auth import write_secret_file
 
         self.roots = [Path(r) for r in roots]
         self.workdir = Path(workdir)
@@ -56,7 +56,7 @@ class LocalDaemonCluster:
         )
 
     def wait_ready(self, node: int, timeout: float = 60.0) -> None:
-        from .auth import Authenticator, load_secret
+        from .wire.auth import Authenticator, load_secret
         from .client import DaemonClient
 
         auth = Authenticator(load_secret(str(self.secret_file)))

@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..errors import ReplicationError, StoreError
 from ..replication.peer import ReplicationResult
-from ..store import CheckpointHeader, CheckpointStore, Segment
+from ..memory.store import CheckpointHeader, CheckpointStore, Segment
 from .client import DaemonClient, ReplicationState, _raise_unless_replicating, header_digest
 
 #: Longest single long-poll; the loop re-commits (idempotent) until the overall deadline, which

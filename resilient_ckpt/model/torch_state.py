@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import ValidationError
+from ..errors import ValidationError
 from .mapping import ShardedObject, ShardedTensor
 
 

@@ -80,7 +80,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import checksum, collectives
+from ..memory import checksum
+from ..parallel import collectives
 from .dcp import (
     BACKEND,
     DCP_FORMAT_VERSION,
@@ -102,17 +103,17 @@ from .dcp import (
     stored_lengths,
     write_json_atomic,
 )
-from .distribution import assign_shards
-from .errors import (
+from ..parallel.distribution import assign_shards
+from ..errors import (
     CheckpointingException,
     CorruptCheckpointError,
     ForeignCheckpointError,
     StoreError,
     ValidationError,
 )
-from .mapping import ShardedObject, apply_factory_merges
-from .nested import fill_holes, map_leaves, map_leaves_inplace, merge, split
-from .store import CheckpointId, CheckpointStore
+from ..model.mapping import ShardedObject, apply_factory_merges
+from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge, split
+from ..memory.store import CheckpointId, CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class StoreSnapshot:
     """
 
     def __init__(self, store: CheckpointStore, iteration: int, owner: int):
-        from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+        from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
         self.iteration = iteration
         self.owner = owner
@@ -381,7 +382,7 @@ class PersistentTier:
         self.timeout_s = timeout_s
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if self._distributed and group is None:
-            from .replication.transport import new_checkpoint_group
+            from ..replication.transport import new_checkpoint_group
 
             group = new_checkpoint_group(backend="gloo", timeout_s=timeout_s)
         self._group = group if self._distributed else None
@@ -816,7 +817,7 @@ class PersistentTier:
                 objects, target = split(tasd.sharded_state_dict, lambda v: isinstance(v, ShardedObject))
                 nonpersistent = map_leaves_inplace(lambda o: o.data, objects)
             else:
-                from .tensor_aware_state_dict import _preprocess
+                from ..parallel.tensor_aware_state_dict import _preprocess
 
                 target, _tpl_common, nonpersistent, factories = _preprocess(template)
             if not isinstance(target, dict):
@@ -901,7 +902,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _decode_hollow(value: Any, path: str, fqn: str):
-    from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     try:
         return MCoreTensorAwareStateDict.from_bytes(bytes(value))

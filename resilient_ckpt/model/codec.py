@@ -87,7 +87,7 @@ import msgpack
 import numpy as np
 import torch
 
-from .errors import CodecError
+from ..errors import CodecError
 from .mapping import ShardedObject, ShardedTensor
 from .nested import HOLE, format_path
 
@@ -531,7 +531,7 @@ class _Encoder:
             raise _Fail(
                 f"cannot encode {what} at {{path}} without pickle. Fix: convert it to plain "
                 f"data (containers, numbers, str, bytes, numpy arrays, tensors), or call "
-                f"resilient_ckpt.codec.register_type({tname}, name, to_plain, from_plain), or "
+                f"resilient_ckpt.model.codec.register_type({tname}, name, to_plain, from_plain), or "
                 "pass allow_pickle=True (local-only use: loading then needs allow_pickle=True, "
                 "and pickled data runs code when loaded)"
             )
@@ -912,7 +912,7 @@ class _Decoder:
         if user is None:
             raise _Fail(
                 f"cannot decode the value at {{path}}: it was saved as registered type {name!r}, "
-                "which is not registered here. Fix: call resilient_ckpt.codec.register_type"
+                "which is not registered here. Fix: call resilient_ckpt.model.codec.register_type"
                 f"(<class>, {name!r}, to_plain, from_plain) before loading"
             )
         try:
@@ -1028,7 +1028,7 @@ def _check_header(mv: memoryview) -> int:
     if n < _HEADER.size:
         raise CodecError(
             f"encoded common state is {n} bytes, shorter than its {_HEADER.size}-byte header: "
-            "truncated, or not written by resilient_ckpt.codec"
+            "truncated, or not written by resilient_ckpt.model.codec"
         )
     magic, version, flags, body_len = _HEADER.unpack_from(mv)
     if magic != MAGIC:

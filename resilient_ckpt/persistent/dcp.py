@@ -22,7 +22,7 @@ Save (:class:`ResilientSavePlanner`):
   it really received);
 - the global plan is validated (every chunk inside its tensor, no overlap, full coverage,
   one dtype and size per key), failing with the key and the offending chunks named;
-- non-tensor values are stored with our pickle-free codec (:mod:`resilient_ckpt.codec`).
+- non-tensor values are stored with our pickle-free codec (:mod:`resilient_ckpt.model.codec`).
   Plain DCP loads every tensor of such a checkpoint; the non-tensor entries need
   :class:`ResilientLoadPlanner`.
 
@@ -81,12 +81,18 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import codec
-from .distribution import assign_shards
-from .errors import CodecError, CorruptCheckpointError, ValidationError
-from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, adapt, is_factory
-from .nested import HOLE
-from .validation import _find_overlap, _fmt_box
+from ..model import codec
+from ..parallel.distribution import assign_shards
+from ..errors import CodecError, CorruptCheckpointError, ValidationError
+from ..model.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    adapt,
+    is_factory,
+)
+from ..model.nested import HOLE
+from ..model.validation import _find_overlap, _fmt_box
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor

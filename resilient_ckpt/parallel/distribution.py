@@ -24,9 +24,9 @@ from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequenc
 import torch.distributed as dist
 
 from . import collectives
-from .errors import ValidationError
-from .mapping import ShardedTensor, ShardId
-from .validation import shard_record
+from ..errors import ValidationError
+from ..model.mapping import ShardedTensor, ShardId
+from ..model.validation import shard_record
 
 logger = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ Backends:
 
 ``dcp``
     torch.distributed.checkpoint directories written and read with our planners
-    (:mod:`resilient_ckpt.dcp`): sharded state as DCP entries, common state as a pickle-free
+    (:mod:`resilient_ckpt.persistent.dcp`): sharded state as DCP entries, common state as a pickle-free
     codec file ``common.rckc`` beside them. A manifest (``resilient_ckpt.json``) records the
     backend and version. Two load strategies: every rank reads what it needs
     (:class:`DcpLoadShardedStrategy`), or each entry is read once per data-parallel group and
     broadcast (:class:`TwoStageDcpLoadShardedStrategy`).
 ``memory``
-    the in-memory store through a :class:`~resilient_ckpt.manager.CheckpointManager`
+    the in-memory store through a :class:`~resilient_ckpt.manager.checkpoint_manager.CheckpointManager`
     (``checkpoint_dir`` names the iteration: ``.../iter_<N>`` or an int). Common state travels
     with the sharded state in one in-memory checkpoint, so this backend has sharded
     strategies only; asking it for a common strategy is an error that says so.
@@ -34,8 +34,14 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch.distributed as dist
 
-from . import codec, collectives
-from .errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError, ValidationError
+from ..model import codec
+from ..parallel import collectives
+from ..errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    ValidationError,
+)
 
 CheckpointDir = Union[str, os.PathLike, int]
 
@@ -213,7 +219,7 @@ def _is_coordinator(group) -> bool:
 
 
 class DcpSaveShardedStrategy(SaveShardedStrategy):
-    """Sharded state to a DCP directory with :class:`~resilient_ckpt.dcp.ResilientSavePlanner`
+    """Sharded state to a DCP directory with :class:`~resilient_ckpt.persistent.dcp.ResilientSavePlanner`
     (replicas written once, plan cached across saves of one structure, validated plan)."""
 
     def __init__(
@@ -246,7 +252,7 @@ class DcpSaveShardedStrategy(SaveShardedStrategy):
         from torch.distributed.checkpoint.api import CheckpointException
 
         from .dcp import DCP_FORMAT_VERSION, FORMAT_NAME, ResilientFileSystemWriter
-        from .persistent import _from_dcp
+        from .tier import _from_dcp
 
         d = _dir(checkpoint_dir)
         no_dist = not (dist.is_available() and dist.is_initialized())
@@ -337,7 +343,7 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
 
 class TwoStageDcpLoadShardedStrategy(DcpLoadShardedStrategy):
     """Each stored entry is read by one rank of ``data_parallel_group`` and broadcast to the
-    others (:func:`~resilient_ckpt.persistent.two_stage_load`)."""
+    others (:func:`~resilient_ckpt.persistent.tier.two_stage_load`)."""
 
     def __init__(self, data_parallel_group: Optional[dist.ProcessGroup] = None, *, read_ahead_bytes: int = 256 << 20,
                  allow_partial_load: bool = False, allow_pickle: bool = False):
@@ -347,7 +353,7 @@ class TwoStageDcpLoadShardedStrategy(DcpLoadShardedStrategy):
         self.last_stats = None
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
-        from .persistent import two_stage_load
+        from .tier import two_stage_load
 
         group = self.data_parallel_group
         exc = None
@@ -404,7 +410,7 @@ def iteration_of(checkpoint_dir: CheckpointDir) -> Optional[int]:
 
 
 def _memory_version() -> int:
-    from .store import FORMAT_VERSION
+    from ..memory.store import FORMAT_VERSION
 
     return FORMAT_VERSION
 
@@ -463,9 +469,9 @@ class MemoryLoadShardedStrategy(LoadShardedStrategy):
         return state
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
-        from .mapping import ShardedTensor
-        from .store import CheckpointId
-        from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+        from ..model.mapping import ShardedTensor
+        from ..memory.store import CheckpointId
+        from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
         store = self.manager.store
         want = iteration_of(checkpoint_dir)
@@ -480,7 +486,7 @@ class MemoryLoadShardedStrategy(LoadShardedStrategy):
         self.check_version_compatibility(header.format_version)
         tasd = MCoreTensorAwareStateDict.from_bytes(header.meta)
         out = {}
-        from .nested import nested_values
+        from ..model.nested import nested_values
 
         for st in nested_values(tasd.sharded_state_dict):
             if isinstance(st, ShardedTensor) and st.key not in out:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Tuple, Union
 
-from .errors import ValidationError
+from ..errors import ValidationError
 
 Path = Tuple[Union[str, int], ...]
 

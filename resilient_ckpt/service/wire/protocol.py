@@ -36,7 +36,7 @@ import msgpack
 import xxhash
 import zmq
 
-from ..errors import CheckpointingException
+from ...errors import CheckpointingException
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (auth imports this module)
     from .auth import Authenticator, RejectCounters, ReplayGuard
@@ -882,7 +882,7 @@ def _check_envelope_values(msg: Message, peer: Optional[str], outgoing: bool) ->
             raise MalformedMessage(
                 f"{verb}: envelope field {name!r} is {value!r}, must be {want}",
                 peer=peer,
-                fix="construct messages with resilient_ckpt.service.protocol.Message defaults"
+                fix="construct messages with resilient_ckpt.service.wire.protocol.Message defaults"
                 if outgoing
                 else "the sender does not follow the wire format",
             )

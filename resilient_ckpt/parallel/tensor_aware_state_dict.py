@@ -29,9 +29,9 @@ from .distribution import (
     compute_distribution,
     structure_fingerprint,
 )
-from .errors import HollowStateError, ValidationError
+from ..errors import HollowStateError, ValidationError
 from .exchange import check_algo, dtype_name, execute_exchange, plan_exchange
-from .mapping import (
+from ..model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
@@ -41,8 +41,8 @@ from .mapping import (
     is_factory,
     is_sharded,
 )
-from .nested import fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
-from .validation import (
+from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
+from ..model.validation import (
     StrictHandling,
     apply_strictness,
     object_record,
@@ -486,7 +486,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """msgpack encoding of a hollow instance (metadata + common state; no tensor bytes)."""
         if not self._is_hollow and any(self._saved):
             raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
-        from . import codec
+        from ..model import codec
 
         return codec.encode(
             {
@@ -499,7 +499,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "MCoreTensorAwareStateDict":
-        from . import codec
+        from ..model import codec
 
         d = codec.decode(data)
         try:
@@ -688,7 +688,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             for key, off, shape in g["held_obj"]:
                 holders.setdefault((key, tuple(off), tuple(shape)), r)
         # (Every wanted object has a holder: _load_verdict checked it.)
-        from . import codec
+        from ..model import codec
 
         mine = {oid: held_objects[oid].data for oid, r in holders.items() if r == me and oid in wanted}
         # An unencodable object must not leave the other ranks waiting: the error travels in

@@ -39,7 +39,7 @@ import msgpack
 import torch
 
 from . import checksum
-from .errors import CorruptCheckpointError, ForeignCheckpointError, StoreError, StoreFullError
+from ..errors import CorruptCheckpointError, ForeignCheckpointError, StoreError, StoreFullError
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .errors import CheckpointingException, ValidationError
-from .mapping import ShardId
+from ..errors import CheckpointingException, ValidationError
+from ..model.mapping import ShardId
 
 logger = logging.getLogger(__name__)
 

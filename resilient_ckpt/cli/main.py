@@ -9,67 +9,67 @@ from typing import List, Optional
 
 
 def _demo(argv: List[str]) -> int:
-    from .demo import orchestrator
+    from ..demo import orchestrator
 
     return orchestrator.main(argv)
 
 
 def _bench(argv: List[str]) -> int:
-    from .bench import runner
+    from ..bench import runner
 
     return runner.main(argv) or 0
 
 
 def _serve(argv: List[str]) -> int:
-    from .service import daemon
+    from ..service import daemon
 
     return daemon.main(argv)
 
 
 def _pull(argv: List[str]) -> int:
-    from .service import cli
+    from . import service as cli
 
     return cli.pull_main(argv)
 
 
 def _status(argv: List[str]) -> int:
-    from .service import cli
+    from . import service as cli
 
     return cli.status_main(argv)
 
 
 def _ls(argv: List[str]) -> int:
-    from .service import cli
+    from . import service as cli
 
     return cli.ls_main(argv)
 
 
 def _drop(argv: List[str]) -> int:
-    from .service import cli
+    from . import service as cli
 
     return cli.drop_main(argv)
 
 
 def _secret(argv: List[str]) -> int:
-    from .service import cli
+    from . import service as cli
 
     return cli.secret_main(argv)
 
 
 def _export(argv: List[str]) -> int:
-    from .inspect_cli import export_main
+    from .inspect import export_main
 
     return export_main(argv)
 
 
 def _inspect(argv: List[str]) -> int:
-    from .inspect_cli import inspect_main
+    from .inspect import inspect_main
 
     return inspect_main(argv)
 
 
 def _convert(argv: List[str]) -> int:
-    from .inspect_cli import convert_main
+    from .inspect import convert_main
 
     return convert_main(argv)
 

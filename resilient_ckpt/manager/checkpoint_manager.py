@@ -37,9 +37,10 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import checksum, collectives
-from .distribution import ShardDistribution
-from .errors import (
+from ..memory import checksum
+from ..parallel import collectives
+from ..parallel.distribution import ShardDistribution
+from ..errors import (
     CheckpointingException,
     CorruptCheckpointError,
     ForeignCheckpointError,
@@ -49,13 +50,13 @@ from .errors import (
     StoreError,
     ValidationError,
 )
-from .replication.placement import Placement, clique_placement, plan_retrieval, ring_placement
-from .replication.healing import RepairPlan, plan_repairs
-from .replication.peer import PeerReplicator
-from .replication.transport import P2PTransport, new_checkpoint_group
+from ..replication.placement import Placement, clique_placement, plan_retrieval, ring_placement
+from ..replication.healing import RepairPlan, plan_repairs
+from ..replication.peer import PeerReplicator
+from ..replication.transport import P2PTransport, new_checkpoint_group
 from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
-from .staging import SegmentPrefetcher, Stager, StagingHandle
-from .store import (
+from ..memory.staging import SegmentPrefetcher, Stager, StagingHandle
+from ..memory.store import (
     DEFAULT_ROOT,
     CheckpointHeader,
     CheckpointId,
@@ -64,9 +65,13 @@ from .store import (
     plan_layout,
     validate_session_id,
 )
-from .tensor_aware_state_dict import MCoreTensorAwareStateDict, check_restorable, template_targets
-from .nested import map_leaves
-from .validation import StrictHandling
+from ..parallel.tensor_aware_state_dict import (
+    MCoreTensorAwareStateDict,
+    check_restorable,
+    template_targets,
+)
+from ..model.nested import map_leaves
+from ..model.validation import StrictHandling
 
 logger = logging.getLogger(__name__)
 
@@ -303,8 +308,8 @@ class CheckpointManager:
                     "service mode needs the node daemon's endpoint: pass endpoint='tcp://HOST:PORT' "
                     "or set RESILIENT_CKPT_ENDPOINT (start it with `resilient-ckpt serve`)"
                 )
-            from .service.client import DaemonClient
-            from .service.replicator import ServiceReplicator
+            from ..service.client import DaemonClient
+            from ..service.replicator import ServiceReplicator
 
             self._client = DaemonClient(endpoint, session_id, timeout_s=timeout_s, rank=self.rank)
             self._replicator = ServiceReplicator(self._client, self.store, self.rank, timeout_s=timeout_s)
@@ -363,7 +368,7 @@ class CheckpointManager:
         """The persistent tier, built on first use (collective: it creates its own group)."""
         directory, every, on_sigterm = self._persistent_args
         if self._tier is None and directory is not None:
-            from .persistent import PersistentTier
+            from ..persistent.tier import PersistentTier
 
             self._tier = PersistentTier(
                 directory, every_n_saves=every, session=self.session_id, keep_last=self.keep_last

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
-from .errors import ValidationError
+from ..errors import ValidationError
 from .nested import map_leaves_inplace
 
 ReplicaId = Union[int, Tuple[int, ...]]

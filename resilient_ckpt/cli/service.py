@@ -159,7 +159,7 @@ def session_names(root: str | os.PathLike) -> List[str]:
 
 
 def _open_store(root: str | os.PathLike, session: str):
-    from ..store import CheckpointStore
+    from ..memory.store import CheckpointStore
 
     return CheckpointStore(root, session)
 
@@ -327,7 +327,7 @@ def _render_scan(scan: StoreScan) -> None:
         f"store root {scan.root}: filesystem {human_bytes(used)} used of "
         f"{human_bytes(scan.fs_total_bytes)} ({human_bytes(scan.fs_free_bytes)} free)"
     )
-    from ..store import SMALL_SHM_BYTES
+    from ..memory.store import SMALL_SHM_BYTES
 
     if scan.fs_total_bytes < SMALL_SHM_BYTES:
         con.print(
@@ -407,7 +407,7 @@ def _target(args: argparse.Namespace) -> Tuple[str, str]:
         return "daemon", args.endpoint
     if os.environ.get(ENDPOINT_ENV):
         return "daemon", os.environ[ENDPOINT_ENV]
-    from ..store import DEFAULT_ROOT
+    from ..memory.store import DEFAULT_ROOT
 
     return "store", os.environ.get(STORE_ROOT_ENV) or DEFAULT_ROOT
 
@@ -570,7 +570,7 @@ def secret_main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if bool(args.derive_from) != bool(args.label):
         p.error("--derive-from and --label go together")
-    from .auth import load_secret, write_secret_file
+    from ..service.wire.auth import load_secret, write_secret_file
 
     if os.path.exists(args.file) and not args.force:
         return _fail(f"{args.file} exists; pass --force to replace it (every daemon and trainer must then reload)")
@@ -600,8 +600,8 @@ class _Exit(Exception):
 @contextlib.contextmanager
 def _daemon_errors(endpoint: str, timeout: float):
     """Turn a daemon conversation's failures into one clear line and an exit code."""
-    from .client import DaemonError
-    from .protocol import PeerTimeout, PeerUnreachable, ProtocolConfigError
+    from ..service.client import DaemonError
+    from ..service.wire.protocol import PeerTimeout, PeerUnreachable, ProtocolConfigError
 
     try:
         yield
@@ -629,8 +629,8 @@ def _daemon_errors(endpoint: str, timeout: float):
 
 
 def _client(endpoint: str, session: str, args: argparse.Namespace):
-    from .auth import authenticator_from_env
-    from .client import DaemonClient
+    from ..service.wire.auth import authenticator_from_env
+    from ..service.client import DaemonClient
 
     # Operator commands ask once: a retry would only double the wait for an absent daemon.
     return DaemonClient(endpoint, session, authenticator_from_env(args.secret_file), timeout_s=args.timeout, retries=0)
@@ -811,7 +811,7 @@ def _summary_from_holdings(session: str, holdings, node: Optional[int], usage: M
 
 
 def _ls_daemon(args: argparse.Namespace, endpoint: str) -> int:
-    from .client import complete_iterations
+    from ..service.client import complete_iterations
 
     doc: Dict[str, Any] = {"format": JSON_FORMAT, "source": "daemon", "endpoint": endpoint}
     try:
@@ -949,7 +949,7 @@ def pull_main(argv: Optional[List[str]] = None) -> int:
         p.error("--iteration and --owner go together (or give neither to pull this node's ranks)")
     import time
 
-    from .client import plan_recovery
+    from ..service.client import plan_recovery
 
     t0 = time.monotonic()
     try:
@@ -1000,8 +1000,8 @@ def _pull_with_progress(args: argparse.Namespace, iteration: int, sources, sizes
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from ..errors import NoReplicaError
-    from .client import DaemonError
-    from .protocol import PeerTimeout
+    from ..service.client import DaemonError
+    from ..service.wire.protocol import PeerTimeout
 
     def fetch_one(owner: int, nodes) -> Any:
         # One client per call, used only in this worker thread (ZeroMQ sockets have one owner).

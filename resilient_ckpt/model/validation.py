@@ -13,7 +13,7 @@ from collections import defaultdict
 from enum import Enum
 from typing import Dict, Iterable, List, Sequence, Set, Tuple, Union
 
-from .errors import ValidationError
+from ..errors import ValidationError
 
 # A compact, msgpack-able description of one local shard, gathered from every rank:
 # (key, global_offset, local_extent_per_global_axis, global_shape, dtype_name, is_main,

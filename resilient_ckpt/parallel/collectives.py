@@ -13,7 +13,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointingException, CollectiveTimeoutError, PeerFailedError
+from ..errors import CheckpointingException, CollectiveTimeoutError, PeerFailedError
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:

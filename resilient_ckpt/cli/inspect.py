@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .errors import CheckpointingException
+from ..errors import CheckpointingException
 
 
 def _human(n: int) -> str:
@@ -54,7 +54,7 @@ def export_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--to", required=True, dest="to", help="the DCP checkpoint directory to write")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (scratch copies only)")
     args = p.parse_args(argv)
-    from .persistent import export_store_iteration
+    from ..persistent.tier import export_store_iteration
 
     try:
         res = export_store_iteration(
@@ -91,7 +91,13 @@ def describe(directory: str, allow_pickle: bool = False) -> Dict[str, Any]:
     """What a DCP checkpoint holds (used by ``inspect``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp import METADATA_NAME, is_internal, read_manifest, read_metadata_file, stored_lengths
+    from ..persistent.dcp import (
+        METADATA_NAME,
+        is_internal,
+        read_manifest,
+        read_metadata_file,
+        stored_lengths,
+    )
 
     d = Path(directory)
     manifest = read_manifest(d) if d.is_dir() else None
@@ -136,7 +142,7 @@ def inspect_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--allow-pickle", action="store_true", help="unpickle foreign metadata (trusted input only)")
     args = p.parse_args(argv)
     d = Path(args.directory)
-    from .dcp import METADATA_NAME
+    from ..persistent.dcp import METADATA_NAME
 
     if d.is_dir() and not (d / METADATA_NAME).exists() and (d / ".export").is_dir():
         return _inspect_partial_export(d)
@@ -199,7 +205,7 @@ def convert_main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from .dcp import load_metadata_only
+    from ..persistent.dcp import load_metadata_only
 
     try:
         state = load_metadata_only(args.directory, args.keys, allow_pickle=args.allow_pickle)

@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .errors import CheckpointingException, ValidationError
-from .manager import CheckpointManager, SaveHandle
-from .torch_state import TrainState
+from ..errors import CheckpointingException, ValidationError
+from .checkpoint_manager import CheckpointManager, SaveHandle
+from ..model.torch_state import TrainState
 
 logger = logging.getLogger(__name__)
 

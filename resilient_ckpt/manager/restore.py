@@ -19,11 +19,17 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import checksum, collectives
-from .errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError, StoreError
-from .replication.placement import Fetch, plan_retrieval
-from .replication.transport import Incoming, Outgoing, P2PTransport
-from .store import CheckpointHeader, CheckpointId, CheckpointStore
+from ..memory import checksum
+from ..parallel import collectives
+from ..errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    StoreError,
+)
+from ..replication.placement import Fetch, plan_retrieval
+from ..replication.transport import Incoming, Outgoing, P2PTransport
+from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +386,7 @@ def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping
     CPU) are read from the store file straight into it; the others become read-only views of
     a mapping of the segment (only mapped if needed). Returns (header, tensors, mapping or
     None, bytes, decoded hollow state dict or None)."""
-    from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     reader = store.open(cid)
     header = reader.header
@@ -416,7 +422,7 @@ def read_local_shards(
     ``iteration`` in this node's store, straight into the targets, each verified against its
     checksum. Returns the shard ids filled (-> their target); anything unusable is skipped (the
     load exchange brings it from another rank instead)."""
-    from .tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     filled: Dict[Any, torch.Tensor] = {}
     for cid in store.list():
