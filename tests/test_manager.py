@@ -400,3 +400,35 @@ def test_a_corrupt_copy_is_excluded_for_its_whole_node_so_a_remote_replica_is_re
     got = restore.retrieve(None, holdings, 5, None, None, 0, world)
     assert tried == [0, 8] and got.source_rank == 8 and got.attempts == 2
     assert got.failed_copies == [(0, 0)]
+
+
+# ---- option groups --------------------------------------------------------------------------------
+
+
+def test_option_groups_and_flat_keywords_configure_the_same_manager(tmp_root):
+    from resilient_ckpt.manager.options import PersistentOptions, ReplicationOptions
+
+    grouped = CheckpointManager(
+        "opts", store_root=str(tmp_root), keep_last=3,
+        replication=ReplicationOptions(factor=1, placement="ring", backend="gloo"),
+        persistent=PersistentOptions(directory=None, flush_every=5),
+    )
+    flat = CheckpointManager("opts", store_root=str(tmp_root), keep_last=3, replication_factor=1,
+                             flush_every=5)
+    try:
+        assert grouped.options == flat.options
+        assert grouped.options.replication.factor == 1 and grouped.options.persistent.flush_every == 5
+        assert grouped.placement == flat.placement and grouped.keep_last == 3
+    finally:
+        grouped.close()
+        flat.close()
+
+
+def test_a_value_given_both_as_group_and_flat_keyword_with_two_meanings_is_refused(tmp_root):
+    from resilient_ckpt.manager.options import ReplicationOptions
+
+    with pytest.raises(ValidationError, match=r"replication_factor=3 contradicts ReplicationOptions\(factor=1\)"):
+        CheckpointManager("opts", store_root=str(tmp_root), replication_factor=3,
+                          replication=ReplicationOptions(factor=1))
+    with pytest.raises(ValidationError, match="placement must be 'ring' or 'clique'"):
+        CheckpointManager("opts", store_root=str(tmp_root), replication=ReplicationOptions(placement="star"))

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..memory import checksum
 from ..parallel import collectives

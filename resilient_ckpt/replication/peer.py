@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -20,17 +19,10 @@ from ..errors import ReplicationError, StoreError
 from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, Segment
 from .healing import Repair
 from .placement import Placement
+from .replicator import ReplicationResult
 from .transport import Incoming, Outgoing, P2PTransport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ReplicationResult:
-    #: replicas this rank published in its node's store (discarded if the save is not agreed)
-    received: List[CheckpointId] = field(default_factory=list)
-    bytes_out: int = 0
-    bytes_in: int = 0
 
 
 class _PagePipeline:

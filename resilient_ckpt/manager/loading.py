@@ -1,0 +1,426 @@
+"""The load path of ``CheckpointManager`` (a mixin of it; the state lives on the manager).
+
+``load_local`` (collective): drain saves, gather holdings, pick the newest complete
+iteration (or the persistent tier's, if newer), check the template before any byte is
+written, retrieve (own node first, then the least-loaded holder), decode, fill the
+template through the load exchange, then schedule healing. Every step fails together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from ..errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    NoReplicaError,
+    PeerFailedError,
+    StoreError,
+)
+from ..memory.store import CheckpointId
+from ..model.nested import map_leaves
+from ..model.validation import StrictHandling
+from ..parallel import collectives
+from ..parallel.tensor_aware_state_dict import (
+    MCoreTensorAwareStateDict,
+    check_restorable,
+    template_targets,
+)
+from ..replication.placement import plan_retrieval
+from .metrics import LoadMetrics
+from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
+
+logger = logging.getLogger(__name__)
+
+
+class LoadPath:
+    """``find_latest``, ``load_local`` and nvidia-resiliency-ext's ``load`` (mixed into
+    ``CheckpointManager``)."""
+
+    def _holdings(self, failure: Optional[BaseException] = None) -> Holdings:
+        return gather_holdings(self.store, self._control_group(), self.world_size, failure)
+
+    def find_latest(self) -> int:
+        """Newest iteration whose every rank's data is held somewhere (collective); -1 if none."""
+        self.wait_for_saves()
+        holdings = self._holdings()
+        self._raise_if_only_foreign(holdings)
+        complete = holdings.complete_iterations(self.world_size)
+        self.latest_iteration = complete[0] if complete else -1
+        return self.latest_iteration
+
+    def _raise_if_only_foreign(self, holdings: Holdings) -> None:
+        complete = holdings.complete_iterations(self.world_size)
+        notes = sorted({n for per in holdings.foreign for n in per})
+        if notes and not complete:
+            raise CheckpointingException(
+                "the store holds checkpoints this job cannot use: " + "; ".join(notes[:3])
+            )
+        if notes:
+            logger.warning("ignoring checkpoints this job cannot use: %s", "; ".join(notes[:3]))
+
+    def load_local(
+        self,
+        template: Optional[Any] = None,
+        *,
+        strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    ) -> Optional[Tuple[Any, int]]:
+        """Restore the newest complete iteration (collective). Returns ``(state_dict,
+        iteration)``, or None when no complete local checkpoint exists on this job's ranks.
+
+        ``template``: the sharded state dict to fill (as for ``to_state_dict``); default: the
+        checkpoint's own structure. Template ShardedTensors that carry ``data`` of the stored
+        dtype and shape are filled in place (the model's own tensors, typically): restoring then
+        allocates nothing and copies each byte once, straight from the node's shared memory.
+        With ``persistent_dir``, every rank together takes the persistent tier's newest
+        checkpoint instead when memory holds no complete iteration or an older one
+        (``last_load_metrics.source == "persistent"``).
+        """
+        t0 = time.perf_counter()
+        # Local steps that may fail on one rank only travel with the next collective, so every
+        # rank stops together (never a peer left in a gather until a timeout).
+        local: Optional[BaseException] = None
+        try:
+            targets = template_targets(template) if template is not None else {}
+        except Exception as e:
+            local, targets = e, {}
+        tier = self._persistent_tier()
+        holdings = None
+        if tier is not None:
+            out, holdings = self._maybe_load_persistent(tier, template, t0, local)
+            if out is not None:
+                return out
+        retrieved, iteration = self._retrieve_latest(
+            borrow=True, targets=targets, holdings=holdings, failure=local,
+            template=template, strict=strict,
+        )
+        if retrieved is None:
+            return None
+        tasd = self._decode(retrieved, iteration)
+        extra: Dict[Any, torch.Tensor] = {}
+        try:
+            # Replicas of lost ranks that this rank verified: it serves their shards below.
+            for hdr, views in retrieved.serving.values():
+                replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
+                extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
+            # Shards the template needs that this rank did not save but a replica in this
+            # node's store holds (ring placement puts the previous node's ranks here: typically
+            # half of the data-parallel replicated shards): read locally, not over the network.
+            if targets and retrieved.served_by is None:
+                own = {st.shard_id for st in tasd.tensor_metadata}
+                wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
+                if wanted:
+                    extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
+        except Exception as e:
+            local = e
+        collectives.fail_together(local, f"restoring iteration {iteration}", self._control_group())
+        t1 = time.perf_counter()
+        state = tasd.to_state_dict(
+            template if template is not None else tasd.sharded_state_dict,
+            algo="fully_parallel",
+            exchange_algo=self.exchange_algo,
+            parallelization_group=self._parallel_group(),
+            strict=strict,
+            load_into_template=True,
+            extra_held=extra,
+            validation_group=self._control_group(),
+        )
+        borrowed = retrieved.borrowed_storages()
+        if borrowed:
+            # Views of store segments must not escape: they are recycled by later saves.
+            state = map_leaves(
+                lambda v: v.clone()
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                and v.untyped_storage().data_ptr() in borrowed
+                else v,
+                state,
+            )
+        del tasd, retrieved, extra
+        self._heal_after_restore()
+        m = self.last_load_metrics
+        m.to_state_dict_s = time.perf_counter() - t1
+        m.total_s = time.perf_counter() - t0
+        logger.info(
+            "rank %d restored iteration %d from %s (rank %d) in %.3fs",
+            self.rank, iteration, m.source, m.source_rank, m.total_s,
+        )
+        return state, iteration
+
+    def _check_template(self, holdings: Holdings, iteration: int, template: Any, strict) -> None:
+        """Collective: raise on every rank, before anything is read into ``template``, if
+        restoring ``iteration`` into it would fail a check (keys, shapes, dtypes, layout).
+        Each rank vouches for the checkpoints the retrieval plan has it serve, read from its
+        node's store (headers only); if any rank cannot read one, the checks run later, as
+        part of the load, instead."""
+        saved: Optional[List[MCoreTensorAwareStateDict]] = []
+        try:
+            plan = plan_retrieval(
+                {r: r for r in range(self.world_size)}, holdings.available(iteration),
+                holdings.node_of, holdings.nbytes(iteration),
+            )
+            for f in plan:
+                if f.source == self.rank:
+                    header = self.store.read_header(CheckpointId(iteration, f.owner, self.session_id))
+                    saved.append(MCoreTensorAwareStateDict.from_bytes(header.meta))
+        except (CheckpointingException, OSError) as e:
+            logger.debug("cannot vouch for iteration %d before restoring it: %s", iteration, e)
+            saved = None
+        check_restorable(template, saved, self._parallel_group(), strict,
+                         validation_group=self._control_group())
+
+    def _warn_unrestorable(self, holdings: Holdings) -> None:
+        """Memory holds none of this job's checkpoints in full: say so loudly when it holds
+        part of one (a node lost with its only copy) — progress is lost unless a fallback has
+        it. Same facts on every rank, so the same warning everywhere."""
+        held: Dict[int, Set[int]] = {}
+        for per in holdings.ids:
+            for it, owner in per:
+                held.setdefault(it, set()).add(owner)
+        if held:
+            newest = max(held)
+            missing = sorted(set(range(self.world_size)) - held[newest])
+            self.last_load_metrics = LoadMetrics(source="none", missing_owners=missing, iteration=-1)
+            fallback = (
+                f"the persistent tier {self._tier.directory} is tried first" if self._tier is not None
+                else "no persistent tier is configured (CheckpointManager(persistent_dir=...))"
+            )
+            logger.warning(
+                "session %r: memory holds iterations %s but none completely: the newest, %d, "
+                "lacks the data of ranks %s (their node and every replica are gone; "
+                "replication_factor=%d). Nothing can be restored from memory; %s — restore from "
+                "your own checkpoint or the run restarts from scratch",
+                self.session_id, sorted(held, reverse=True)[:5], newest, rank_ranges(missing),
+                self.placement.replication_factor, fallback,
+            )
+            return
+        others = self.store.other_sessions()
+        if others:
+            logger.warning(
+                "no complete checkpoint of session %r in %s; the same root holds checkpoints "
+                "of sessions %s (pass session_id=... to restore one of them)",
+                self.session_id, self.store.root, others[:5],
+            )
+
+    def _pull_missing(self, holdings: Holdings, iteration: int, group) -> Holdings:
+        """Service mode: ask this node's daemon to pull this rank's checkpoint from a peer
+        daemon when the node's store lacks it (a replacement node), then re-gather holdings
+        (collective: every rank calls this at the same point)."""
+        mine = holdings.ids[self.rank] if self.rank < len(holdings.ids) else {}
+        if (iteration, self.rank) not in mine:
+            try:
+                res = self._client.fetch(iteration, self.rank, timeout=self.timeout_s)
+                logger.info("daemon pulled iteration %d of rank %d: %s", iteration, self.rank, res)
+            except Exception as e:  # the trainer-side exchange below is the fallback
+                logger.warning(
+                    "daemon could not pull iteration %d of rank %d (%s); peers serve it instead",
+                    iteration, self.rank, e,
+                )
+        return gather_holdings(self.store, group, self.world_size)
+
+    def _maybe_load_persistent(
+        self, tier, template, t0: float, failure: Optional[BaseException] = None
+    ) -> Tuple[Optional[Tuple[Any, int]], Holdings]:
+        """Load from the persistent tier if it is newer than memory (decided collectively).
+        Returns (result or None, the gathered holdings, reused by the memory path)."""
+        self.wait_for_saves()
+        holdings = self._holdings(failure)
+        self._raise_if_only_foreign(holdings)
+        complete = holdings.complete_iterations(self.world_size)
+        in_memory = complete[0] if complete else -1
+        durable = tier.agreed_latest()
+        if durable is None or durable.iteration <= in_memory:
+            return None, holdings
+        if in_memory < 0:
+            logger.warning(
+                "no complete in-memory checkpoint; restoring iteration %d from the persistent tier %s",
+                durable.iteration, tier.directory,
+            )
+        out = tier.load(template, self._parallel_group())
+        if out is None:
+            return None, holdings
+        iteration = out[1]
+        self._restored = True
+        self._drop_abandoned(newer_than=iteration)
+        self._last_saved = iteration
+        self.latest_iteration = iteration
+        report = tier.last_load
+        self.last_load_metrics = LoadMetrics(
+            iteration=iteration,
+            source="persistent",
+            source_rank=self.rank,
+            total_s=time.perf_counter() - t0,
+            bytes_read=getattr(report, "bytes_read", 0) if report is not None else 0,
+            attempts=1,
+        )
+        return out, holdings
+
+    def _retrieve_latest(
+        self,
+        borrow: bool = False,
+        targets=None,
+        holdings: Optional[Holdings] = None,
+        failure: Optional[BaseException] = None,
+        template: Any = None,
+        strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    ) -> Tuple[Optional[Retrieved], int]:
+        self.wait_for_saves()
+        control = self._control_group()
+        if holdings is None:  # else gathered just before, after the same drain
+            holdings = gather_holdings(self.store, control, self.world_size, failure)
+            self._raise_if_only_foreign(holdings)
+        complete = holdings.complete_iterations(self.world_size)
+        if not complete:
+            self.latest_iteration = -1
+            self._warn_unrestorable(holdings)
+            return None, -1
+        # Everyone has drained its saves (the gather above is after each rank's drain), so
+        # headerless data files are leftovers of a crashed save. The collectives of retrieve()
+        # order this (and _drop_abandoned) before any rank's next save.
+        try:
+            self.store.sweep_orphans()
+        except OSError as e:  # housekeeping: must not keep this rank from the collectives below
+            logger.warning("could not recycle leftovers in %s: %s", self.store.dir, e)
+        last_error: Optional[BaseException] = None
+        for iteration in complete:
+            self._drop_abandoned(newer_than=iteration)
+            if self._client is not None:
+                holdings = self._pull_missing(holdings, iteration, control)
+            if template is not None:
+                # Before any byte lands in the template: a restore that cannot succeed leaves
+                # the caller's tensors untouched on every rank.
+                self._check_template(holdings, iteration, template, strict)
+            try:
+                retrieved = retrieve(
+                    self.store, holdings, iteration, control, self._transport, self.rank,
+                    self.world_size, borrow=borrow, targets=targets,
+                )
+                break
+            except (CorruptCheckpointError, NoReplicaError) as e:
+                # Decided from gathered facts, so every rank falls back together.
+                logger.warning(
+                    "iteration %d cannot be restored (%s); falling back to the previous complete "
+                    "iteration", iteration, e,
+                )
+                last_error = e
+        else:
+            raise CheckpointingException(
+                f"no complete iteration could be restored (tried {complete}); last error: "
+                f"{last_error}"
+            ) from last_error
+        self._restored = True
+        self._restore_facts = (holdings, iteration)
+        self.latest_iteration = iteration
+        # The restored iteration defines the timeline (also for an in-process restart): newer
+        # ones were abandoned above, so the trainer may save those iteration numbers again.
+        self._last_saved = iteration
+        self._complete = sorted(it for it in complete if it <= iteration)[-self.keep_last :]
+        self.last_load_metrics = LoadMetrics(
+            iteration=iteration,
+            source=retrieved.source,
+            source_rank=retrieved.source_rank,
+            retrieve_s=retrieved.seconds,
+            bytes_read=retrieved.bytes_read,
+            attempts=retrieved.attempts,
+            failed_copies=retrieved.failed_copies,
+        )
+        return retrieved, iteration
+
+    def load(self) -> Tuple[MCoreTensorAwareStateDict, Tuple[int, int, str]]:
+        """``LocalCheckpointManager.load``: the newest complete iteration's state dict (call
+        ``to_state_dict`` on it) and its checkpoint id (iteration, rank, session)."""
+        retrieved, iteration = self._retrieve_latest()
+        if retrieved is None:
+            raise CheckpointingException(
+                "no complete local checkpoint to load; call find_latest() first and check for -1"
+            )
+        tasd = self._decode(retrieved, iteration)
+        self._heal_after_restore()
+        return tasd, (iteration, self.rank, self.session_id)
+
+    def _drop_abandoned(self, newer_than: int) -> None:
+        """Discard this node's checkpoints newer than the iteration being restored: saves that
+        never completed (a crash mid-save) or that cannot be restored. The restarted job saves
+        those iterations again and must not find them taken. Other jobs' files (foreign) are
+        left alone."""
+        try:
+            cids = self.store.list()
+        except OSError as e:
+            logger.warning("could not list %s: %s", self.store.dir, e)
+            return
+        for cid in cids:
+            if cid.iteration <= newer_than:
+                continue
+            try:
+                self.store.read_header(cid)
+            except ForeignCheckpointError:
+                continue
+            except (StoreError, OSError):
+                pass  # unreadable: garbage either way
+            logger.info(
+                "discarding %s in %s: newer than the restored iteration %d (not restorable)",
+                cid.stem(), self.store.dir, newer_than,
+            )
+            try:
+                self.store.discard(cid)
+            except OSError as e:
+                logger.warning("could not discard %s: %s", cid.stem(), e)
+
+    def _decode(self, retrieved: Retrieved, iteration: int) -> MCoreTensorAwareStateDict:
+        """The restored state dict, with tensors on their devices. Collective: a rank that cannot
+        decode its checkpoint makes every rank raise (never some ranks loading while others
+        fail)."""
+        tasd = None
+        local: Optional[BaseException] = None
+        try:
+            tasd = retrieved.hollow or MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
+            if retrieved.served_by is not None:
+                # Lost node: the holder of the replica serves this rank's shards in the exchange.
+                tasd = tasd.holding_nothing()
+            else:
+                tasd.insert_tensors(retrieved.tensors)
+                _restore_devices(tasd)
+        except Exception as e:
+            local = e
+        try:
+            collectives.gather_or_fail(None, local, f"rebuilding the state dict of iteration {iteration}",
+                                       self._control_group())
+            assert tasd is not None
+            return tasd
+        except PeerFailedError as e:
+            rank, reason = e.rank, e.reason
+        except Exception:
+            if local is None:
+                raise
+            rank, reason = self.rank, collectives.describe(local)
+        raise CheckpointingException(
+            f"rank {rank} could not rebuild its state dict from iteration {iteration}: "
+            f"{reason}; every rank stops (the checkpoint was written by an incompatible "
+            "resilient_ckpt or with a type this process has not registered)"
+        ) from local
+
+
+def rank_ranges(ranks: List[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5' (lists of lost ranks get long)."""
+    out: List[str] = []
+    for r in ranks:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
+
+
+def _restore_devices(tasd: MCoreTensorAwareStateDict) -> None:
+    """Move restored tensors to the devices they were saved from, when this host has them."""
+    devices = {d for d in tasd.pending_devices if d}
+    if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
+        logger.warning("checkpoint was saved from CUDA tensors; restoring on CPU (no GPU here)")
+        return
+    tasd.restore_tensor_device(non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()

@@ -1,0 +1,91 @@
+"""What saves, loads and healing report: metrics dataclasses and the save's handle."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..memory.staging import StagingHandle
+
+
+@dataclass
+class SaveMetrics:
+    iteration: int
+    stall_s: float = 0.0
+    staging_s: float = 0.0
+    checksum_s: float = 0.0
+    publish_s: float = 0.0
+    replication_s: float = 0.0
+    agreement_s: float = 0.0
+    durable_s: float = 0.0
+    bytes_staged: int = 0
+    bytes_replicated_out: int = 0
+    bytes_replicated_in: int = 0
+
+    def as_dict(self) -> Dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class LoadMetrics:
+    iteration: int = -1
+    source: str = ""
+    source_rank: int = -1
+    retrieve_s: float = 0.0
+    to_state_dict_s: float = 0.0
+    total_s: float = 0.0
+    bytes_read: int = 0
+    attempts: int = 0
+    failed_copies: List[Tuple[int, int]] = field(default_factory=list)
+    #: when nothing could be restored although memory held part of a checkpoint: the owner
+    #: ranks whose data was missing from the newest iteration
+    missing_owners: List[int] = field(default_factory=list)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class HealMetrics:
+    """Re-creating the copies a restore found missing (see ``replication.healing``)."""
+
+    iteration: int
+    copies: int = 0  # copies the plan re-created, over the whole job
+    bytes: int = 0  # their bytes, over the whole job
+    bytes_in: int = 0  # this rank's received bytes
+    bytes_out: int = 0  # this rank's sent bytes
+    seconds: float = 0.0  # from the restore's end to redundancy agreed whole
+    whole: bool = False  # every copy the placement asks for exists again
+    unrepairable: List[int] = field(default_factory=list)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class SaveHandle:
+    """The future of one ``save_local``."""
+
+    def __init__(self, iteration: int, staging: StagingHandle, future: Future, metrics: SaveMetrics):
+        self.iteration = iteration
+        self._staging = staging
+        self._future = future
+        self.metrics = metrics
+
+    def wait_staged(self) -> float:
+        """Block until the snapshot's copies are done: call before mutating saved tensors
+        (the optimizer step). Returns the seconds waited."""
+        waited = self._staging.wait()
+        self.metrics.stall_s += waited
+        return waited
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> SaveMetrics:
+        """Block until stored + replicated + agreed complete; raises CheckpointingException."""
+        self._future.result(timeout)
+        return self.metrics
+
+    def exception(self) -> Optional[BaseException]:
+        return self._future.exception() if self._future.done() else None

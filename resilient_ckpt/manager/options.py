@@ -1,0 +1,153 @@
+"""Option groups of ``CheckpointManager``: one small frozen dataclass per concern.
+
+``CheckpointManager(..., replication=ReplicationOptions(factor=2), persistent=PersistentOptions(
+directory="/lustre/run7", flush_every=50), service=ServiceOptions(endpoint="tcp://..."))`` —
+or today's flat keyword arguments, which keep working. :func:`resolve` merges both into one
+:class:`ManagerOptions` and refuses a value given twice with two different meanings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from ..errors import ValidationError
+from ..memory.store import DEFAULT_ROOT
+
+PLACEMENTS = ("ring", "clique")
+MODES = ("embedded", "service")
+
+
+@dataclass(frozen=True)
+class ReplicationOptions:
+    """Where copies of each rank's data go and how they travel."""
+
+    #: copies of each rank's data (1 = no replication)
+    factor: int = 2
+    #: rank distance between copies (default: ranks per node, so copies land on other nodes)
+    jump: Optional[int] = None
+    #: ``"ring"`` (any world size) or ``"clique"`` (nvidia-resiliency-ext parity)
+    placement: str = "ring"
+    #: ranks per node (default: ``LOCAL_WORLD_SIZE``)
+    ranks_per_node: Optional[int] = None
+    #: backend of the checkpoint groups: gloo moves host-memory bytes without PCIe copies and
+    #: without sharing NCCL resources with training; ``"nccl"`` bounces through the device
+    backend: str = "gloo"
+
+
+@dataclass(frozen=True)
+class PersistentOptions:
+    """The persistent tier (torch.distributed.checkpoint on a shared file system)."""
+
+    directory: Optional[str] = None
+    #: flush every this many complete saves (0: only on demand or SIGTERM)
+    flush_every: int = 0
+    flush_on_sigterm: bool = False
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """Service mode: this node's daemon owns the store and replicates."""
+
+    #: e.g. ``tcp://127.0.0.1:7555`` (default: ``RESILIENT_CKPT_ENDPOINT``)
+    endpoint: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """Everything a manager was configured with, resolved."""
+
+    store_root: str = DEFAULT_ROOT
+    keep_last: int = 2
+    memory_budget: Optional[int] = None
+    timeout_s: float = 120.0
+    exchange_algo: str = "p2p"
+    fault_hook: Optional[Callable[[str], None]] = None
+    mode: str = "embedded"
+    replication: ReplicationOptions = ReplicationOptions()
+    persistent: PersistentOptions = PersistentOptions()
+    service: ServiceOptions = ServiceOptions()
+
+
+#: flat keyword argument -> (group, field) it stands for
+FLAT = {
+    "replication_factor": ("replication", "factor"),
+    "replication_jump": ("replication", "jump"),
+    "placement": ("replication", "placement"),
+    "ranks_per_node": ("replication", "ranks_per_node"),
+    "replication_backend": ("replication", "backend"),
+    "persistent_dir": ("persistent", "directory"),
+    "flush_every": ("persistent", "flush_every"),
+    "flush_on_sigterm": ("persistent", "flush_on_sigterm"),
+    "endpoint": ("service", "endpoint"),
+}
+
+
+def resolve(
+    flat: Mapping[str, Any],
+    replication: Optional[ReplicationOptions] = None,
+    persistent: Optional[PersistentOptions] = None,
+    service: Optional[ServiceOptions] = None,
+    mode: Optional[str] = None,
+    **plain: Any,
+) -> ManagerOptions:
+    """Merge option groups with the flat keyword arguments (``flat``: only those the caller
+    passed). A flat argument that contradicts its group's value raises, naming both."""
+    groups: Dict[str, Any] = {
+        "replication": replication or ReplicationOptions(),
+        "persistent": persistent or PersistentOptions(),
+        "service": service or ServiceOptions(),
+    }
+    given = {"replication": replication, "persistent": persistent, "service": service}
+    for name, value in flat.items():
+        group, field = FLAT[name]
+        current = getattr(groups[group], field)
+        if given[group] is not None and current != value:
+            raise ValidationError(
+                f"{name}={value!r} contradicts {type(groups[group]).__name__}({field}="
+                f"{current!r}); pass it in one place only"
+            )
+        groups[group] = replace(groups[group], **{field: value})
+    opts = ManagerOptions(mode=_mode(mode, groups["service"]), **plain, **groups)
+    _check(opts)
+    return opts
+
+
+def _mode(mode: Optional[str], service: ServiceOptions) -> str:
+    if mode is not None and mode not in MODES:
+        raise ValidationError(f"mode must be 'embedded' or 'service', got {mode!r}")
+    return mode or ("service" if service.endpoint else "embedded")
+
+
+def _check(opts: ManagerOptions) -> None:
+    if opts.keep_last < 1:
+        raise ValidationError(f"keep_last must be >= 1, got {opts.keep_last}")
+    if opts.replication.placement not in PLACEMENTS:
+        raise ValidationError(
+            f"placement must be 'ring' or 'clique', got {opts.replication.placement!r}"
+        )
+
+
+def service_endpoint(opts: ManagerOptions) -> str:
+    """The daemon endpoint service mode talks to (explicit, else the environment)."""
+    endpoint = opts.service.endpoint or os.environ.get("RESILIENT_CKPT_ENDPOINT")
+    if not endpoint:
+        raise ValidationError(
+            "service mode needs the node daemon's endpoint: pass endpoint='tcp://HOST:PORT' "
+            "or set RESILIENT_CKPT_ENDPOINT (start it with `resilient-ckpt serve`)"
+        )
+    return endpoint
+
+
+def ranks_per_node(opts: ManagerOptions) -> Optional[int]:
+    return opts.replication.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+
+
+__all__ = [
+    "ManagerOptions",
+    "PersistentOptions",
+    "ReplicationOptions",
+    "ServiceOptions",
+    "resolve",
+]

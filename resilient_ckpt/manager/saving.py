@@ -1,0 +1,405 @@
+"""The save path of ``CheckpointManager`` (a mixin of it; the state lives on the manager).
+
+``save_local`` (calling thread): build the state, vote if the step is collective, retire an
+earlier run's data on the first save, build the tensor-aware state dict (distribution), lay
+out and stage the copies into a store segment, queue the job. ``_finish_save`` (the save
+thread, in stages): wait for the copies, checksum, publish, replicate, agree, retire.
+Every ``save_local`` call puts exactly one job on the save thread, also when preparing the
+snapshot failed on this rank: jobs are numbered alike on every rank, which keeps collective
+decisions (the cached distribution) in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, List, Optional
+
+from ..errors import CheckpointingException, ReplicationError, StoreError, ValidationError
+from ..memory import checksum
+from ..memory.staging import StagingHandle
+from ..memory.store import CheckpointHeader, CheckpointId, Segment, plan_layout
+from ..parallel import collectives
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from .metrics import SaveHandle, SaveMetrics
+from .restore import gather_holdings
+
+logger = logging.getLogger(__name__)
+
+MAX_ITERATION = (1 << 63) - 1
+
+#: Points where tests (and chaos drills) can inject a fault: ``fault_hook(point)``.
+FAULT_POINTS = ("after_staging", "after_publish", "before_replication", "after_replication", "before_agreement")
+
+
+@dataclass
+class _SaveJob:
+    iteration: int
+    segment: Segment
+    header: CheckpointHeader
+    staging: StagingHandle
+    metrics: SaveMetrics
+    t_start: float
+    seq: int = 0
+
+
+class SavePath:
+    """``save_local`` and the save thread's job (mixed into ``CheckpointManager``)."""
+
+    def save_local(
+        self, state_dict: Any, iteration: int, is_async: bool = True
+    ) -> SaveHandle:
+        """Snapshot ``state_dict`` (a sharded state dict, an MCoreTensorAwareStateDict, or a
+        callable returning one — preferred in loops: if it raises on some ranks, every rank
+        still fails this save together instead of waiting for a timeout).
+
+        Returns once the copies have started (``is_async``) or once the checkpoint is complete
+        on every rank. Collective on the first call (distribution, checkpoint group).
+        """
+        t0 = time.perf_counter()
+        self._bound_queue()
+        group = self._ckpt_group()
+        control = self._control_group()
+        seq = self._seq
+        self._seq += 1
+        self._refresh_distribution(seq)
+        segment: Optional[Segment] = None
+        staging: Optional[StagingHandle] = None
+        # A save whose distribution is not cached is a collective step on this thread (the
+        # distribution gather; the first save also sizes up an earlier run's data). Every rank
+        # votes before it, so a rank whose state function or arguments fail takes every rank
+        # out of the step together instead of leaving them in the gather (same decision on all
+        # ranks: the cache is dropped in step and the kind of state is the same every save).
+        collective = self._distribution is None and self._kind != "tasd"
+        try:
+            local: Optional[BaseException] = None
+            try:
+                if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
+                    # Built here so a rank whose state function raises still queues its (failed)
+                    # job and votes: peers are told at once and job numbering stays in step.
+                    state_dict = state_dict()
+                self._check_iteration(iteration)
+            except BaseException as e:
+                local = e
+            if collective:
+                collectives.fail_together(local, f"preparing the save of iteration {iteration}", control)
+            elif local is not None:
+                raise local
+            if not self._restored and not self._started:
+                self._retire_earlier_run(iteration, control)
+            self._started = True
+            if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
+                # Megatron-LM hands Megatron-core's class to a LocalCheckpointManager.
+                tasd = MCoreTensorAwareStateDict.adapt(state_dict)
+                self._kind = "tasd"
+            else:
+                # When it is a collective (no cached distribution), every rank reaches it (the
+                # vote above), and a bad state dict on one rank raises everywhere together.
+                tasd, dist_ = MCoreTensorAwareStateDict.from_state_dict(
+                    state_dict,
+                    algo="fully_parallel",
+                    parallelization_group=self._parallel_group(),
+                    cached_metadata=self._distribution,
+                    validation_group=control,
+                )
+                self._distribution = dist_ or self._distribution
+                self._kind = "dict"
+            self._check_iteration(iteration)
+            tensors = list(tasd.tensors)
+            layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
+            segment = self._prefetcher.take(total)
+            self.store.claim(segment, iteration, self.rank)
+            # Copies start first; the hollow form (metadata + common state) is encoded while
+            # they run (the copy thread releases the GIL), off the stall's critical path.
+            staging = self._stager.stage(tensors, segment, layouts)
+            popped = tasd.pop_tensors()
+            try:
+                meta = tasd.to_bytes()
+            finally:
+                tasd.insert_tensors(popped)
+        except BaseException as e:
+            if staging is not None:
+                try:
+                    staging.wait()  # the segment is in use until its copies finished
+                except Exception:
+                    pass
+            if segment is not None:
+                self.store.release(segment)
+            self._submit_failed(iteration, seq, group, e)
+            raise
+        header = CheckpointHeader(
+            session=self.session_id,
+            iteration=iteration,
+            owner=self.rank,
+            world_size=self.world_size,
+            tensors=tuple(layouts),
+            data_nbytes=total,
+            meta=meta,
+            replication={
+                "kind": self.placement.kind,
+                "factor": self.placement.replication_factor,
+                "jump": self.placement.jump,
+                "ranks_per_node": self.placement.ranks_per_node,
+            },
+        )
+        metrics = SaveMetrics(iteration=iteration, bytes_staged=total)
+        job = _SaveJob(iteration, segment, header, staging, metrics, t0, seq)
+        self._last_saved = iteration
+        self.latest_iteration = -1  # invalidates find_latest's cache, like nvidia-resiliency-ext
+        future = self._worker.submit(self._finish_save, job, group)
+        with self._lock:
+            self._in_flight.append((iteration, future))
+        metrics.stall_s = time.perf_counter() - t0
+        handle = SaveHandle(iteration, staging, future, metrics)
+        if not is_async:
+            handle.wait_staged()
+            handle.wait()
+        return handle
+
+    def _retire_earlier_run(self, iteration: int, control) -> None:
+        """First save of a job that did not restore: it starts fresh on purpose, so this
+        session's checkpoints at ``iteration`` or newer are an earlier run's and would shadow
+        the new run's saves (a later restore would return the old run's newer iteration).
+        They are retired before this save claims anything; older ones age out through
+        retention once the new run's saves complete. Collective (this thread's group)."""
+        holdings = gather_holdings(self.store, control, self.world_size)
+        stale = sorted({k for per in holdings.ids for k in per if k[0] >= iteration})
+        if not stale:
+            return
+        local: Optional[BaseException] = None
+        # One rank per node store removes that node's files; the vote below orders it before
+        # any rank's claim.
+        leader = min(r for r, k in enumerate(holdings.store_keys) if k == holdings.store_keys[self.rank])
+        if leader == self.rank:
+            mine = holdings.ids[self.rank]
+            try:
+                for it, owner in stale:
+                    if (it, owner) in mine:
+                        self.store.discard(CheckpointId(it, owner, self.session_id))
+            except OSError as e:
+                local = e
+        if self.rank == 0:
+            logger.warning(
+                "session %r: this job did not restore before saving iteration %d, so it starts "
+                "fresh; retiring iterations %s of an earlier run held in memory (call load_local() "
+                "or CheckpointHook.restore() before the first save to resume them instead)",
+                self.session_id, iteration, sorted({it for it, _ in stale}),
+            )
+        collectives.fail_together(local, "retiring an earlier run's checkpoints", control)
+
+    def _refresh_distribution(self, seq: int) -> None:
+        """Drop the cached distribution if a save up to ``seq - 2`` failed (a structure change
+        on some rank invalidates it everywhere).
+
+        Decided from jobs that are finished on every rank by now (``_bound_queue`` leaves at most
+        the previous job in flight), so all ranks drop it at the same save and the collective
+        that recomputes it pairs up. The previous job's outcome counts one save later.
+        """
+        horizon = seq - 2
+        if horizon <= self._dist_checked_upto:
+            return
+        with self._lock:
+            failed = any(self._dist_checked_upto < s <= horizon for s in self._failed_seqs)
+        self._dist_checked_upto = horizon
+        if failed:
+            self._distribution = None
+
+    def _submit_failed(self, iteration: int, seq: int, group, error: BaseException) -> None:
+        """Queue the stand-in of a save that failed on this rank before it started."""
+        logger.warning("save of iteration %s failed on rank %d: %s", iteration, self.rank, error)
+        future = self._worker.submit(self._fail_save, iteration, seq, group, error)
+        with self._lock:
+            self._in_flight.append((-1, future))
+
+    def _fail_save(self, iteration, seq: int, group, error: BaseException) -> None:
+        """Tell the peers at once: an empty replica to every holder, refuse incoming replicas,
+        vote no. Nothing is discarded here (this rank created nothing for the save)."""
+        if group is not None:
+            try:
+                self._replicate_nothing()
+            except Exception as e:  # expected: our refusals come back as an error
+                logger.debug("failed save of iteration %s: exchange: %s", iteration, e)
+            try:
+                collectives.all_agree(False, group)
+            except Exception as e:
+                logger.debug("failed save of iteration %s: agreement: %s", iteration, e)
+        with self._lock:
+            self._failed_seqs.add(seq)
+
+    def _replicate_nothing(self) -> None:
+        if self._replicator is not None:
+            self._replicator.abstain()
+
+    def _check_iteration(self, iteration: int) -> None:
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise ValidationError(f"iteration must be an int, got {type(iteration).__name__}")
+        if not 0 <= iteration <= MAX_ITERATION:
+            raise ValidationError(f"iteration {iteration} outside [0, 2**63-1]")
+        if iteration <= self._last_saved:
+            raise ValidationError(
+                f"iteration {iteration} does not increase (last saved or restored: "
+                f"{self._last_saved}); iterations going backwards would overwrite newer state — "
+                "pass the training step, which only grows"
+            )
+
+    def _bound_queue(self) -> None:
+        with self._lock:
+            while self._in_flight and self._in_flight[0][1].done():
+                self._in_flight.popleft()
+            oldest = self._in_flight[0][1] if len(self._in_flight) >= 2 else None
+        if oldest is not None:
+            try:
+                oldest.result()
+            except Exception:
+                pass  # its own handle reports it
+
+    def _fault(self, point: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point)
+
+    def _finish_save(self, job: _SaveJob, group) -> SaveMetrics:
+        m = job.metrics
+        ok = False
+        received: List[CheckpointId] = []
+        error: Optional[BaseException] = None
+        replicating = False
+        try:
+            t = time.perf_counter()
+            job.staging.wait()
+            m.staging_s = time.perf_counter() - t
+            self._fault("after_staging")
+            t = time.perf_counter()
+            header = _with_checksums(job.header, job.segment)
+            m.checksum_s = time.perf_counter() - t
+            t = time.perf_counter()
+            self.store.publish(job.segment, header)
+            m.publish_s = time.perf_counter() - t
+            self._fault("after_publish")
+            t = time.perf_counter()
+            self._fault("before_replication")
+            replicating = True
+            received = self._replicate(header, job.segment, m)
+            m.replication_s = time.perf_counter() - t
+            self._fault("after_replication")
+            ok = True
+        except BaseException as e:  # reported after agreement, so peers are not left waiting
+            error = e
+            logger.warning("save of iteration %d failed on rank %d: %s", job.iteration, self.rank, e)
+        finally:
+            job.segment.close()
+        if not replicating and group is not None:
+            # Failed before the exchange: take part in it anyway (empty replicas, refusals),
+            # so holders and sources learn now instead of after the transport timeout.
+            try:
+                self._replicate_nothing()
+            except Exception as e:
+                logger.debug("failed save of iteration %d: exchange: %s", job.iteration, e)
+        t = time.perf_counter()
+        try:
+            self._fault("before_agreement")
+        except BaseException as e:  # still vote (no), so peers are not left waiting
+            ok = False
+            error = error or e
+        try:
+            agreed = collectives.all_agree(ok, group) if group is not None else ok
+        except Exception as e:
+            agreed = False
+            error = error or e
+        m.agreement_s = time.perf_counter() - t
+        m.durable_s = time.perf_counter() - job.t_start
+        if not agreed:
+            self._discard_failed(job.iteration, received)
+            # A structure change on some rank invalidates the cached distribution everywhere
+            # (applied in step on every rank, see _refresh_distribution).
+            with self._lock:
+                self._failed_seqs.add(job.seq)
+            raise CheckpointingException(
+                f"local checkpoint of iteration {job.iteration} is not complete on every rank "
+                f"(this rank: {'ok' if ok else repr(error)}); the previous complete iteration "
+                f"{self._complete[-1] if self._complete else 'none'} stays loadable"
+            ) from error
+        self._complete.append(job.iteration)
+        if self._tier is not None:
+            # Every rank reaches this at the same save (after the agreement), so the tier's
+            # collective flush rounds pair up.
+            try:
+                self._tier.maybe_flush(self.store, job.iteration)
+            except Exception as e:
+                logger.warning("persistent flush after iteration %d not started: %s", job.iteration, e)
+        try:
+            self._retire()
+        except OSError as e:  # the save itself is complete; retiring is retried next time
+            logger.warning("could not retire old checkpoints in %s: %s", self.store.dir, e)
+        self._prefetcher.prefetch(job.header.data_nbytes)
+        self.last_save_metrics = m
+        logger.debug("saved iteration %d: %s", job.iteration, m.as_dict())
+        return m
+
+    def _replicate(self, header: CheckpointHeader, segment: Segment, m: SaveMetrics) -> List[CheckpointId]:
+        """Hand the published checkpoint to the replicator (peers or the node daemon)."""
+        if self._replicator is None:
+            if self.placement.holders_of(self.rank) or self.placement.sources_for(self.rank):
+                raise ReplicationError("replication needs an initialized process group")
+            return []
+        result = self._replicator.replicate(header, segment)
+        m.bytes_replicated_out = result.bytes_out
+        m.bytes_replicated_in = result.bytes_in
+        return result.received
+
+    def _discard_failed(self, iteration: int, received: List[CheckpointId]) -> None:
+        """Remove what this save created: its own checkpoint and the replicas it published
+        (not other ids of that iteration, which may predate this save)."""
+        self.store.discard(CheckpointId(iteration, self.rank, self.session_id))
+        for cid in received:
+            self.store.discard(cid)
+
+    def _retire(self) -> None:
+        """Keep the newest ``keep_last`` complete iterations and anything newer (in flight)."""
+        kept = sorted(set(self._complete))[-self.keep_last :]
+        self._complete = kept
+        threshold = kept[0]
+        if self._tier is not None:
+            # A flush reading an older iteration from the store keeps it alive until done.
+            threshold = min([threshold, *self._tier.pinned_iterations()])
+        for cid in self.store.list():
+            if cid.iteration < threshold and self._is_ours(cid):
+                self.store.discard(cid)
+
+    def _is_ours(self, cid: CheckpointId) -> bool:
+        """Deletions act only on checkpoints whose header names this session and world size:
+        another job sharing the directory (same session id, another world) keeps its data."""
+        try:
+            self.store.read_header(cid)
+            return True
+        except (StoreError, OSError) as e:
+            logger.debug("not retiring %s: %s", cid.stem(), e)
+            return False
+
+    def wait_for_saves(self) -> None:
+        """Block until every queued save finished (errors are reported by their handles)."""
+        with self._lock:
+            futures = [f for _, f in self._in_flight]
+        for f in futures:
+            try:
+                f.result()
+            except Exception:
+                pass
+        with self._lock:
+            self._in_flight.clear()
+
+
+def _is_foreign_tasd(obj: Any) -> bool:
+    from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+
+    return isinstance(obj, TensorAwareStateDict) and not isinstance(obj, MCoreTensorAwareStateDict)
+
+
+def _with_checksums(header: CheckpointHeader, segment: Segment) -> CheckpointHeader:
+    if not header.data_nbytes:
+        return header
+    mv = checksum.byte_view(segment.buffer)
+    tensors = tuple(
+        replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in header.tensors
+    )
+    return replace(header, tensors=tensors)

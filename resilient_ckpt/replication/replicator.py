@@ -1,0 +1,33 @@
+"""The replicator: the manager's extension point for getting a published checkpoint to its
+holders. Two implementations: peers over torch.distributed (``replication.peer``, embedded
+mode) and the node daemon (``service.replicator``, service mode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Protocol, runtime_checkable
+
+from ..memory.store import CheckpointHeader, CheckpointId, Segment
+
+
+@dataclass
+class ReplicationResult:
+    #: replicas this rank published in its node's store (discarded if the save is not agreed)
+    received: List[CheckpointId] = field(default_factory=list)
+    bytes_out: int = 0
+    bytes_in: int = 0
+
+
+@runtime_checkable
+class Replicator(Protocol):
+    """What ``CheckpointManager`` needs to replicate one save (called on the save thread)."""
+
+    def replicate(self, header: CheckpointHeader, segment: Segment) -> ReplicationResult:
+        """Get this rank's published checkpoint to its holders (and, for peers, receive the
+        ones this rank holds); raise on failure. Every rank calls it at the same save."""
+        ...
+
+    def abstain(self) -> None:
+        """This rank's save failed before replicating: take part anyway, so partners learn
+        at once instead of after a timeout."""
+        ...
