@@ -548,108 +548,68 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         group = _default_group(parallelization_group)
         n = collectives.group_size(group)
         me = collectives.group_rank(group)
-        result = map_leaves(lambda v: v, self.common)
-
         # Local preparation. Errors are not raised here but travel with the one metadata
         # all-gather, so every rank raises together instead of leaving peers in a collective.
         local_exc: Optional[BaseException] = None
-        local = {"rank": _my_global_rank(), "error": None, "held": [], "need": [],
-                 "need_obj": [], "held_obj": [], "ckpt_keys": [], "requested": [],
-                 "records": [], "obj_records": []}
+        req: Optional[_LoadRequest] = None
+        facts: Dict[str, Any] = {"rank": _my_global_rank(), "error": None, **_load_facts((), (), (), (), (), False)}
         try:
-            if self._is_hollow:
-                raise HollowStateError(
-                    "to_state_dict() on a hollow state dict; insert_tensors() first"
-                )
-            fully_parallel = _check_algo(algo)
-            exchange_algo = check_algo(exchange_algo)
-            strict = parse_strict_flag(strict)
-            sharded, _common, nonpersistent, factories = _preprocess(sharded_state_dict or {})
-            template_shards = _sharded_tensors(sharded)
-            template_objects = _sharded_objects(sharded)
-            held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
-            for sid, t in (extra_held or {}).items():
-                held.setdefault(sid, t)
-            held_objects = {o.object_id: o for o in _sharded_objects(self.sharded_state_dict)}
-            ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)} | {
-                o.key for o in held_objects.values()
-            }
-            local.update(_load_facts(
-                template_shards, template_objects,
-                [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in held.items()],
-                held_objects.values(), ckpt_keys, validate_access_integrity,
-            ))
-            self._check_local_shapes(template_shards, held)
+            req = self._prepare_load(sharded_state_dict, algo, exchange_algo, strict, extra_held)
+            facts.update(req.facts(validate_access_integrity))
         except Exception as e:  # reported to every rank below
             local_exc = e
-            local["error"] = f"{type(e).__name__}: {e}"
+            facts["error"] = f"{type(e).__name__}: {e}"
         # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
         # sees only part of each tensor-parallel tensor.
-        scope, members = _gather(local, group, world_scope=validate_access_integrity,
+        scope, members = _gather(facts, group, world_scope=validate_access_integrity,
                                  scope_group=validation_group)
         _raise_first_error(scope, local_exc)
+        assert req is not None
+        result = map_leaves(lambda v: v, self.common)
+        merge(result, req.nonpersistent)
         if not any(g["requested"] for g in members):
             # Nothing requested anywhere (Megatron returns the common state for an empty
             # template): no exchange, no strictness verdict.
-            merge(result, nonpersistent)
             result = fill_holes(result)
             return (result, set(), set()) if return_mismatch_keys else result
-        plan, global_ckpt_keys, mine_unexpected, missing = _load_verdict(
-            scope, members, me, strict, fully_parallel, validate_access_integrity, logger
+        plan, ckpt_keys, unexpected, missing = _load_verdict(
+            scope, members, me, req.strict, req.fully_parallel, validate_access_integrity, logger
         )
         # Objects the rank lacks come from a rank that holds them (small; msgpack codec).
-        obj_data = self._exchange_objects(members, held_objects, group, n, me, global_ckpt_keys)
-
-        load_device = self._load_device()  # once: it walks the state dict
-        targets: Dict[Any, torch.Tensor] = {}
-        if load_into_template:
-            for st in template_shards:
-                d = st.data
-                if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
-                    targets.setdefault(st.shard_id, d)
-
-        def allocate(sid, dtype, shape):
-            t = targets.get(sid)
-            if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(shape):
-                return t
-            return torch.empty(shape, dtype=dtype, device=load_device)
-
-        received = (
-            execute_exchange(plan, held, allocate, group, exchange_algo) if n > 1 else {}
-        )
-        loaded = dict(held)
-        loaded.update(received)
-        merge(result, nonpersistent)
-
-        def fill(v):
-            if isinstance(v, ShardedTensor):
-                if v.key in mine_unexpected:
-                    return _DROP
-                t = loaded[v.shard_id]
-                dst = targets.get(v.shard_id)
-                if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
-                    dst.copy_(t)
-                    return dst
-                return t
-            if isinstance(v, ShardedObject):
-                if v.key in mine_unexpected:
-                    return _DROP
-                o = held_objects.get(v.object_id)
-                return o.data if o is not None else obj_data[v.object_id]
-            return v
-
-        map_leaves_inplace(fill, sharded)
-        sharded = _drop_marked(sharded)
-        sharded = apply_factory_merges(sharded, factories)
-        merge(result, sharded)
+        objects = self._exchange_objects(members, req.held_objects, group, n, me, ckpt_keys)
+        targets = _template_targets(req.template_shards) if load_into_template else {}
+        loaded = dict(req.held)
+        if n > 1:
+            loaded.update(execute_exchange(plan, req.held, _allocator(targets, self._load_device()),
+                                           group, req.exchange_algo))
+        merge(result, _fill_template(req, loaded, targets, objects, unexpected))
         result = fill_holes(result)
-        if strict == StrictHandling.IGNORE_ALL:
-            missing, mine_unexpected = set(), set()
-        elif strict == StrictHandling.ASSUME_OK_UNEXPECTED:
+        if req.strict == StrictHandling.IGNORE_ALL:
+            missing, unexpected = set(), set()
+        elif req.strict == StrictHandling.ASSUME_OK_UNEXPECTED:
             missing = set()
-        if return_mismatch_keys:
-            return result, missing, mine_unexpected
-        return result
+        return (result, missing, unexpected) if return_mismatch_keys else result
+
+    def _prepare_load(self, template, algo, exchange_algo, strict, extra_held) -> "_LoadRequest":
+        """The local half of a load (no collective): parse the arguments and the template,
+        list what this rank holds. Raises on a bad argument or a local shape mismatch."""
+        if self._is_hollow:
+            raise HollowStateError("to_state_dict() on a hollow state dict; insert_tensors() first")
+        fully_parallel = _check_algo(algo)
+        exchange_algo = check_algo(exchange_algo)
+        strict = parse_strict_flag(strict)
+        sharded, _common, nonpersistent, factories = _preprocess(template or {})
+        held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
+        for sid, t in (extra_held or {}).items():
+            held.setdefault(sid, t)
+        held_objects = {o.object_id: o for o in _sharded_objects(self.sharded_state_dict)}
+        ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)}
+        ckpt_keys |= {o.key for o in held_objects.values()}
+        req = _LoadRequest(sharded, nonpersistent, factories, _sharded_tensors(sharded),
+                           _sharded_objects(sharded), held, held_objects, ckpt_keys,
+                           fully_parallel, exchange_algo, strict)
+        self._check_local_shapes(req.template_shards, held)
+        return req
 
     def _load_device(self) -> torch.device:
         for st in self._saved_sharded_tensors():
@@ -796,6 +756,77 @@ def _objects_nobody_saved(members, ckpt_keys) -> None:
             f"{nobody[0][2]} is in no rank's checkpoint; the layout at load must match the "
             "one at save"
         )
+
+
+@dataclass
+class _LoadRequest:
+    """One rank's side of a load, prepared locally before the gathered verdict."""
+
+    sharded: Any  # the template's sharded part (a structural copy)
+    nonpersistent: Any
+    factories: Any
+    template_shards: List[ShardedTensor]
+    template_objects: List[ShardedObject]
+    held: Dict[Any, torch.Tensor]  # shard id -> tensor this rank can serve
+    held_objects: Dict[Any, ShardedObject]
+    ckpt_keys: set
+    fully_parallel: bool
+    exchange_algo: str
+    strict: StrictHandling
+
+    def facts(self, validate: bool) -> dict:
+        held = [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in self.held.items()]
+        return _load_facts(self.template_shards, self.template_objects, held,
+                           self.held_objects.values(), self.ckpt_keys, validate)
+
+
+def _template_targets(template_shards: Sequence[ShardedTensor]) -> Dict[Any, torch.Tensor]:
+    """Template tensors received shards may land in directly (materialized, right shape)."""
+    targets: Dict[Any, torch.Tensor] = {}
+    for st in template_shards:
+        d = st.data
+        if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
+            targets.setdefault(st.shard_id, d)
+    return targets
+
+
+def _allocator(targets: Dict[Any, torch.Tensor], device: torch.device):
+    """Where the exchange writes a received shard: its template tensor when dtype and shape
+    match (no new pages), else a fresh tensor on the load device."""
+
+    def allocate(sid, dtype, shape):
+        t = targets.get(sid)
+        if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(shape):
+            return t
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return allocate
+
+
+def _fill_template(req: _LoadRequest, loaded, targets, objects, unexpected) -> Any:
+    """The template's sharded part with every leaf replaced by its data (in the template's
+    own tensor where possible); keys this rank requested but no checkpoint has are dropped."""
+
+    def fill(v):
+        if isinstance(v, ShardedTensor):
+            if v.key in unexpected:
+                return _DROP
+            t = loaded[v.shard_id]
+            dst = targets.get(v.shard_id)
+            if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
+                dst.copy_(t)
+                return dst
+            return t
+        if isinstance(v, ShardedObject):
+            if v.key in unexpected:
+                return _DROP
+            o = req.held_objects.get(v.object_id)
+            return o.data if o is not None else objects[v.object_id]
+        return v
+
+    sharded = req.sharded
+    map_leaves_inplace(fill, sharded)
+    return apply_factory_merges(_drop_marked(sharded), req.factories)
 
 
 class _SilentLog:

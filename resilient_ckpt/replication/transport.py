@@ -139,6 +139,24 @@ def _group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
         return _DEFAULT_TIMEOUT_S
 
 
+def _stats(transfers: Sequence[_Transfer], seconds: float) -> TransferStats:
+    per_peer: Dict[int, PeerStats] = {}
+    for t in transfers:
+        p = per_peer.get(t.peer, PeerStats())
+        n = len(t.header) + (0 if t.discard else t.nbytes)
+        per_peer[t.peer] = (
+            PeerStats(p.bytes_sent + n, p.bytes_received)
+            if t.send
+            else PeerStats(p.bytes_sent, p.bytes_received + n)
+        )
+    return TransferStats(
+        bytes_sent=sum(p.bytes_sent for p in per_peer.values()),
+        bytes_received=sum(p.bytes_received for p in per_peer.values()),
+        seconds=seconds,
+        per_peer=MappingProxyType(per_peer),
+    )
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n} B"
 
@@ -224,8 +242,28 @@ class P2PTransport:
         start = time.perf_counter()
         sends = [self._check_outgoing(i, o) for i, o in enumerate(outgoing)]
         recvs = [self._check_incoming(i, inc) for i, inc in enumerate(incoming)]
+        self._exchange_sizes(sends, recvs)
+        self._exchange_headers(sends + recvs)
+        deferred = self._allocate_all(recvs)
+        transfers = sends + recvs
+        rounds = max([t.chunks() for t in transfers], default=0)
+        for i in range(rounds):  # round i = chunk i of every transfer
+            self._payload_round(transfers, i, rounds)
+        if self.device.type == "cuda" or any(
+            t.payload is not None and t.payload.device.type == "cuda" for t in transfers
+        ):
+            torch.cuda.synchronize()  # non-blocking device<->pinned copies must land before return
+        if deferred is not None:
+            if isinstance(deferred, CheckpointingException):
+                raise deferred
+            raise ReplicationError(
+                f"allocate() failed for an incoming checkpoint: {deferred!r}; its bytes were "
+                f"received and dropped"
+            ) from deferred
+        return _stats(transfers, time.perf_counter() - start)
 
-        # 1. sizes
+    def _exchange_sizes(self, sends: List[_Transfer], recvs: List[_Transfer]) -> None:
+        """Step 1: ``[header_len, payload_len, chunk]`` of every transfer."""
         size_out = [
             torch.tensor([len(t.header), t.nbytes, t.chunk], dtype=torch.int64, device=self.device)
             for t in sends
@@ -233,9 +271,7 @@ class P2PTransport:
         size_in = [torch.empty(3, dtype=torch.int64, device=self.device) for _ in recvs]
         self._run(
             [_Op(True, t.peer, s, "transfer sizes") for t, s in zip(sends, size_out, strict=True)]
-            + [
-                _Op(False, t.peer, s, "transfer sizes") for t, s in zip(recvs, size_in, strict=True)
-            ],
+            + [_Op(False, t.peer, s, "transfer sizes") for t, s in zip(recvs, size_in, strict=True)],
             "sizes",
         )
         for t, s in zip(recvs, size_in, strict=True):
@@ -246,94 +282,70 @@ class P2PTransport:
                     f"{t.nbytes}, chunk {t.chunk}); it runs an incompatible resilient_ckpt"
                 )
 
-        # 2. headers
-        head_ops: List[_Op] = []
-        head_in: List[Tuple[_Transfer, torch.Tensor]] = []
-        for t in sends + recvs:
+    def _exchange_headers(self, transfers: List[_Transfer]) -> None:
+        """Step 2: the (opaque) headers; received ones land in ``t.header``."""
+        ops: List[_Op] = []
+        received: List[Tuple[_Transfer, torch.Tensor]] = []
+        for t in transfers:
             if not t.header_len:
                 continue
-            what = f"header ({t.header_len} B)"
             if t.send:
                 buf = self._to_device(torch.frombuffer(bytearray(t.header), dtype=torch.uint8))
             else:
                 buf = torch.empty(t.header_len, dtype=torch.uint8, device=self.device)
-                head_in.append((t, buf))
-            head_ops.append(_Op(t.send, t.peer, buf, what))
-        self._run(head_ops, "headers")
-        for t, buf in head_in:
+                received.append((t, buf))
+            ops.append(_Op(t.send, t.peer, buf, f"header ({t.header_len} B)"))
+        self._run(ops, "headers")
+        for t, buf in received:
             t.header = buf.cpu().numpy().tobytes()
+
+    def _allocate_all(self, recvs: List[_Transfer]) -> Optional[Exception]:
+        """Destinations of every incoming payload. A failing ``allocate`` marks its transfer
+        to be drained and dropped (peers stay in step); the first such error is returned."""
         deferred: Optional[Exception] = None
         for t in recvs:
             allocate = cast(Callable[[bytes, int], torch.Tensor], t.allocate)
             try:
                 t.payload = self._check_allocated(t, allocate(t.header, t.nbytes))
-            except Exception as e:  # drain its bytes and re-raise below: keeps peers in step
+            except Exception as e:  # drain its bytes and re-raise later: keeps peers in step
                 deferred = deferred or e
                 t.discard = True
                 t.payload = None
+        return deferred
 
-        # 3. payload, round i = chunk i of every transfer
-        rounds = max([t.chunks() for t in sends + recvs], default=0)
-        for i in range(rounds):
-            ops: List[_Op] = []
-            unstage: List[Tuple[torch.Tensor, torch.Tensor]] = []
-            for t in sends + recvs:
-                if i >= t.chunks():
-                    continue
+    def _payload_round(self, transfers: List[_Transfer], i: int, rounds: int) -> None:
+        """Step 3, round ``i``: chunk ``i`` of every transfer that has one, posted together."""
+        ops: List[_Op] = []
+        unstage: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for t in transfers:
+            if i < t.chunks():
+                ops.append(self._chunk_op(t, i, unstage))
+        self._run(ops, f"payload round {i + 1}/{rounds}")
+        for view, buf in unstage:
+            self._copy(view, buf)
+        for t in transfers:
+            if t.on_chunk is not None and not t.discard and i < t.chunks():
                 lo = i * t.chunk
-                n = min(t.chunk, t.nbytes - lo)
-                what = (
-                    f"payload chunk {i + 1}/{t.chunks()} (bytes {lo}..{lo + n} of {_mib(t.nbytes)})"
-                )
-                if t.discard:
-                    buf = self._bounce_buffer("drain", t.index, n, self.device)
-                    ops.append(_Op(False, t.peer, buf, what))
-                    continue
-                view = t.payload[lo : lo + n]  # type: ignore[index]
-                if view.device == self.device and not self._stage_all:
-                    ops.append(_Op(t.send, t.peer, view, what))
-                    continue
-                buf = self._bounce_buffer("send" if t.send else "recv", t.index, n, self.device)
-                if t.send:
-                    self._copy(buf, view)
-                else:
-                    unstage.append((view, buf))
-                ops.append(_Op(t.send, t.peer, buf, what))
-            self._run(ops, f"payload round {i + 1}/{rounds}")
-            for view, buf in unstage:
-                self._copy(view, buf)
-            for t in sends + recvs:
-                if t.on_chunk is not None and not t.discard and i < t.chunks():
-                    lo = i * t.chunk
-                    t.on_chunk(lo, min(t.chunk, t.nbytes - lo))
-        if self.device.type == "cuda" or any(
-            t.payload is not None and t.payload.device.type == "cuda" for t in sends + recvs
-        ):
-            torch.cuda.synchronize()  # non-blocking device<->pinned copies must land before return
+                t.on_chunk(lo, min(t.chunk, t.nbytes - lo))
 
-        if deferred is not None:
-            if isinstance(deferred, CheckpointingException):
-                raise deferred
-            raise ReplicationError(
-                f"allocate() failed for an incoming checkpoint: {deferred!r}; its bytes were "
-                f"received and dropped"
-            ) from deferred
-
-        per_peer: Dict[int, PeerStats] = {}
-        for t in sends + recvs:
-            p = per_peer.get(t.peer, PeerStats())
-            n = len(t.header) + (0 if t.discard else t.nbytes)
-            per_peer[t.peer] = (
-                PeerStats(p.bytes_sent + n, p.bytes_received)
-                if t.send
-                else PeerStats(p.bytes_sent, p.bytes_received + n)
-            )
-        return TransferStats(
-            bytes_sent=sum(p.bytes_sent for p in per_peer.values()),
-            bytes_received=sum(p.bytes_received for p in per_peer.values()),
-            seconds=time.perf_counter() - start,
-            per_peer=MappingProxyType(per_peer),
-        )
+    def _chunk_op(self, t: _Transfer, i: int, unstage: List[Tuple[torch.Tensor, torch.Tensor]]) -> _Op:
+        """The op moving chunk ``i`` of ``t``: straight from/into the payload when it lives on
+        the communication device, else through a bounce buffer (received ones are copied out
+        after the round: ``unstage``)."""
+        lo = i * t.chunk
+        n = min(t.chunk, t.nbytes - lo)
+        what = f"payload chunk {i + 1}/{t.chunks()} (bytes {lo}..{lo + n} of {_mib(t.nbytes)})"
+        if t.discard:
+            return _Op(False, t.peer, self._bounce_buffer("drain", t.index, n, self.device), what)
+        view = t.payload[lo : lo + n]  # type: ignore[index]
+        if view.device == self.device and not self._stage_all:
+            return _Op(t.send, t.peer, view, what)
+        buf = self._bounce_buffer("send" if t.send else "recv", t.index, n, self.device)
+        if t.send:
+            self._copy(buf, view)
+        else:
+            unstage.append((view, buf))
+        return _Op(t.send, t.peer, buf, what)
 
     # ---------------------------------------------------------------------------------------
     def _check_peer(self, peer: object, role: str) -> int:
