@@ -249,55 +249,53 @@ def retrieve(
     return done
 
 
+@dataclass
+class _Attempt:
+    """What one retrieval attempt works with (one rank's view)."""
+
+    store: CheckpointStore
+    holdings: Holdings
+    iteration: int
+    me: int
+    borrow: bool
+    #: borrow mode: owner -> (header, verified views) of replicas this rank serves
+    serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]]
+    targets: Mapping[Any, torch.Tensor]
+
+    def cid(self, owner: int) -> CheckpointId:
+        return CheckpointId(self.iteration, owner, self.store.session)
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.holdings.node_of(a) == self.holdings.node_of(b)
+
+
 def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow, serving,
              targets=None):
     """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw).
 
     ``serving`` (borrow mode) collects the replicas this rank verified and will serve.
     """
-    mine: Optional[Fetch] = None
-    outgoing: List[Outgoing] = []
-    incoming: List[Incoming] = []
-    failures: List[Tuple[int, int]] = []
-    maps = []
-    remote: Dict[str, object] = {}
+    at = _Attempt(store, holdings, iteration, me, borrow, serving, targets or {})
+    mine = next((f for f in plan if f.receiver == me), None)
+    remote: Dict[str, Any] = {}
 
     def _alloc(header: bytes, nbytes: int) -> torch.Tensor:
         remote["header"] = header
         remote["arena"] = torch.empty(nbytes, dtype=torch.uint8)
-        return remote["arena"]  # type: ignore[return-value]
+        return remote["arena"]
 
+    incoming = [Incoming(mine.source, _alloc)] if mine is not None and not at.same_node(mine.source, me) else []
+    failures: List[Tuple[int, int]] = []
+    outgoing: List[Outgoing] = []
+    maps: list = []
     for f in plan:
-        same_node = holdings.node_of(f.source) == holdings.node_of(f.receiver)
-        if f.receiver == me:
-            mine = f
-            if not same_node:
-                incoming.append(Incoming(f.source, _alloc))
-        elif f.source == me and not same_node:
-            cid = CheckpointId(iteration, f.owner, store.session)
-            try:
-                reader = store.open(cid)
-                raw = store.header_path(cid).read_bytes()
-                m, buf = _map_readonly(reader)
-                if borrow:
-                    # Verify here and serve the shards in the load exchange: only the header
-                    # travels now.
-                    bad = _verify(reader.header, buf)
-                    if bad:
-                        raise CorruptCheckpointError(
-                            f"{cid.stem()}: tensors {bad[:8]} fail their checksum on rank {me}"
-                        )
-                    serving[f.owner] = (reader.header, _views(reader.header, buf))
-                    outgoing.append(Outgoing(f.receiver, raw, torch.empty(0, dtype=torch.uint8)))
-                else:
-                    maps.append(m)
-                    outgoing.append(Outgoing(f.receiver, raw, buf))
-            except (StoreError, OSError) as e:
-                # Still take part in the exchange (an empty header marks the failure), so the
-                # receiver learns it at once instead of timing out.
-                logger.warning("cannot serve %s to rank %d: %s", cid.stem(), f.receiver, e)
+        if f.source == me and f.receiver != me and not at.same_node(f.source, f.receiver):
+            out, mapping = _serve(at, f)
+            outgoing.append(out)
+            if mapping is None and not out.header:
                 failures.append((me, f.owner))
-                outgoing.append(Outgoing(f.receiver, b"", torch.empty(0, dtype=torch.uint8)))
+            elif mapping is not None:
+                maps.append(mapping)
     if outgoing or incoming:
         if transport is None:
             raise CheckpointingException("a remote checkpoint copy is needed but no transport is set up")
@@ -307,49 +305,79 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
     maps.clear()
     if mine is None:
         return None, failures
-    cid = CheckpointId(iteration, mine.owner, store.session)
     try:
-        borrowed = False
-        served_by = None
-        if holdings.node_of(mine.source) == holdings.node_of(me):
-            source = "local" if mine.source == me else "node"
-            if borrow:
-                header, tensors, arena, nread, hollow = _read_local_into(store, cid, targets or {})
-                bad = _verify_tensors(header, tensors)
-                if bad:
-                    raise CorruptCheckpointError(
-                        f"{cid.stem()} from rank {mine.source}: tensors {bad[:8]} fail their "
-                        f"{header.checksum_algo} checksum"
-                    )
-                return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1,
-                                 borrowed=True, arena=arena, hollow=hollow), failures
-            header, arena, nread = _read_local(store, cid)
-        else:
-            raw = remote.get("header", b"")
-            if not raw:
-                raise CorruptCheckpointError(f"rank {mine.source} could not serve {cid.stem()}")
-            header = CheckpointHeader.unpack(raw, source=f"header of {cid.stem()} from rank {mine.source}")
-            if header.id != cid or header.world_size != len(holdings.store_keys):
-                raise CorruptCheckpointError(f"rank {mine.source} sent {header.id} for {cid}")
-            source = "peer"
-            if borrow:
-                served_by = mine.source
-                return Retrieved(header, [], mine.source, source, 0.0, header.data_nbytes, 1,
-                                 served_by=served_by), failures
-            arena = remote["arena"]
-            nread = header.data_nbytes
-        bad = _verify(header, arena)
-        if bad:
-            raise CorruptCheckpointError(
-                f"{cid.stem()} from rank {mine.source}: tensors {bad[:8]} fail their "
-                f"{header.checksum_algo} checksum"
-            )
+        if at.same_node(mine.source, me):
+            return _from_node(at, mine), failures
+        return _from_peer(at, mine, remote), failures
     except (CorruptCheckpointError, StoreError, OSError) as e:
-        logger.warning("copy of %s from rank %d unusable: %s", cid.stem(), mine.source, e)
+        logger.warning("copy of %s from rank %d unusable: %s", at.cid(mine.owner).stem(), mine.source, e)
         failures.append((mine.source, mine.owner))
         return None, failures
-    return Retrieved(header, _views(header, arena), mine.source, source, 0.0, nread, 1,
-                     borrowed=borrowed, arena=arena), failures
+
+
+def _serve(at: _Attempt, f: Fetch):
+    """This rank holds ``f.owner``'s copy for a receiver on another node: (the Outgoing, the
+    mapping to keep alive while it is sent, or None). Borrow mode verifies the copy here and
+    serves its shards in the load exchange later, so only the header travels now. A copy that
+    cannot be read still takes part, with an empty header, so the receiver learns it at once."""
+    cid = at.cid(f.owner)
+    empty = torch.empty(0, dtype=torch.uint8)
+    try:
+        reader = at.store.open(cid)
+        raw = at.store.header_path(cid).read_bytes()
+        m, buf = _map_readonly(reader)
+        if not at.borrow:
+            return Outgoing(f.receiver, raw, buf), m
+        bad = _verify(reader.header, buf)
+        if bad:
+            raise CorruptCheckpointError(f"{cid.stem()}: tensors {bad[:8]} fail their checksum on rank {at.me}")
+        at.serving[f.owner] = (reader.header, _views(reader.header, buf))
+        return Outgoing(f.receiver, raw, empty), _NullMap()
+    except (StoreError, OSError) as e:
+        logger.warning("cannot serve %s to rank %d: %s", cid.stem(), f.receiver, e)
+        return Outgoing(f.receiver, b"", empty), None
+
+
+def _from_node(at: _Attempt, mine: Fetch) -> Retrieved:
+    """This rank's copy is in its own node's store: read (borrow mode: straight into the
+    template's tensors) and verify."""
+    cid = at.cid(mine.owner)
+    source = "local" if mine.source == at.me else "node"
+    if at.borrow:
+        header, tensors, arena, nread, hollow = _read_local_into(at.store, cid, at.targets)
+        _raise_if_bad(cid, mine.source, header, _verify_tensors(header, tensors))
+        return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1,
+                         borrowed=True, arena=arena, hollow=hollow)
+    header, arena, nread = _read_local(at.store, cid)
+    _raise_if_bad(cid, mine.source, header, _verify(header, arena))
+    return Retrieved(header, _views(header, arena), mine.source, source, 0.0, nread, 1, arena=arena)
+
+
+def _from_peer(at: _Attempt, mine: Fetch, remote: Mapping[str, Any]) -> Retrieved:
+    """This rank's copy came from another node (borrow mode: only its header; the holder
+    serves the shards in the load exchange)."""
+    cid = at.cid(mine.owner)
+    raw = remote.get("header", b"")
+    if not raw:
+        raise CorruptCheckpointError(f"rank {mine.source} could not serve {cid.stem()}")
+    header = CheckpointHeader.unpack(raw, source=f"header of {cid.stem()} from rank {mine.source}")
+    if header.id != cid or header.world_size != len(at.holdings.store_keys):
+        raise CorruptCheckpointError(f"rank {mine.source} sent {header.id} for {cid}")
+    if at.borrow:
+        return Retrieved(header, [], mine.source, "peer", 0.0, header.data_nbytes, 1,
+                         served_by=mine.source)
+    arena = remote["arena"]
+    _raise_if_bad(cid, mine.source, header, _verify(header, arena))
+    return Retrieved(header, _views(header, arena), mine.source, "peer", 0.0, header.data_nbytes, 1,
+                     arena=arena)
+
+
+def _raise_if_bad(cid: CheckpointId, source: int, header: CheckpointHeader, bad: List[int]) -> None:
+    if bad:
+        raise CorruptCheckpointError(
+            f"{cid.stem()} from rank {source}: tensors {bad[:8]} fail their "
+            f"{header.checksum_algo} checksum"
+        )
 
 
 def _views(header: CheckpointHeader, arena: torch.Tensor) -> List[torch.Tensor]:
