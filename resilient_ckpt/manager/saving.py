@@ -11,10 +11,11 @@ decisions (the cached distribution) in step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
-from typing import Any, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, List, Optional
 
 from ..errors import CheckpointingException, ReplicationError, StoreError, ValidationError
 from ..memory import checksum
@@ -44,6 +45,34 @@ class _SaveJob:
     seq: int = 0
 
 
+@dataclass
+class _Outcome:
+    """This rank's side of a save before the agreement."""
+
+    ok: bool = False
+    error: Optional[BaseException] = None
+    #: replicas this save published in the node's store (discarded if not agreed)
+    received: List[CheckpointId] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _timed(metrics: SaveMetrics, field_name: str) -> Iterator[None]:
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(metrics, field_name, time.perf_counter() - t)
+
+
+@dataclass
+class _Staged:
+    """What ``_stage`` built so far (a failure releases whatever is set)."""
+
+    segment: Optional[Segment] = None
+    staging: Optional[StagingHandle] = None
+    header: Optional[CheckpointHeader] = None
+
+
 class SavePath:
     """``save_local`` and the save thread's job (mixed into ``CheckpointManager``)."""
 
@@ -60,75 +89,92 @@ class SavePath:
         t0 = time.perf_counter()
         self._bound_queue()
         group = self._ckpt_group()
-        control = self._control_group()
         seq = self._seq
         self._seq += 1
         self._refresh_distribution(seq)
-        segment: Optional[Segment] = None
-        staging: Optional[StagingHandle] = None
-        # A save whose distribution is not cached is a collective step on this thread (the
-        # distribution gather; the first save also sizes up an earlier run's data). Every rank
-        # votes before it, so a rank whose state function or arguments fail takes every rank
-        # out of the step together instead of leaving them in the gather (same decision on all
-        # ranks: the cache is dropped in step and the kind of state is the same every save).
-        collective = self._distribution is None and self._kind != "tasd"
+        staged = _Staged()  # filled as staging goes, so a failure releases what was taken
         try:
-            local: Optional[BaseException] = None
-            try:
-                if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
-                    # Built here so a rank whose state function raises still queues its (failed)
-                    # job and votes: peers are told at once and job numbering stays in step.
-                    state_dict = state_dict()
-                self._check_iteration(iteration)
-            except BaseException as e:
-                local = e
-            if collective:
-                collectives.fail_together(local, f"preparing the save of iteration {iteration}", control)
-            elif local is not None:
-                raise local
-            if not self._restored and not self._started:
-                self._retire_earlier_run(iteration, control)
-            self._started = True
-            if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
-                # Megatron-LM hands Megatron-core's class to a LocalCheckpointManager.
-                tasd = MCoreTensorAwareStateDict.adapt(state_dict)
-                self._kind = "tasd"
-            else:
-                # When it is a collective (no cached distribution), every rank reaches it (the
-                # vote above), and a bad state dict on one rank raises everywhere together.
-                tasd, dist_ = MCoreTensorAwareStateDict.from_state_dict(
-                    state_dict,
-                    algo="fully_parallel",
-                    parallelization_group=self._parallel_group(),
-                    cached_metadata=self._distribution,
-                    validation_group=control,
-                )
-                self._distribution = dist_ or self._distribution
-                self._kind = "dict"
-            self._check_iteration(iteration)
-            tensors = list(tasd.tensors)
-            layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
-            segment = self._prefetcher.take(total)
-            self.store.claim(segment, iteration, self.rank)
-            # Copies start first; the hollow form (metadata + common state) is encoded while
-            # they run (the copy thread releases the GIL), off the stall's critical path.
-            staging = self._stager.stage(tensors, segment, layouts)
-            popped = tasd.pop_tensors()
-            try:
-                meta = tasd.to_bytes()
-            finally:
-                tasd.insert_tensors(popped)
+            state_dict = self._prepare(state_dict, iteration)
+            self._stage(self._snapshot(state_dict), iteration, staged)
         except BaseException as e:
-            if staging is not None:
-                try:
-                    staging.wait()  # the segment is in use until its copies finished
-                except Exception:
-                    pass
-            if segment is not None:
-                self.store.release(segment)
+            self._release(staged)
             self._submit_failed(iteration, seq, group, e)
             raise
-        header = CheckpointHeader(
+        metrics = SaveMetrics(iteration=iteration, bytes_staged=staged.header.data_nbytes)
+        job = _SaveJob(iteration, staged.segment, staged.header, staged.staging, metrics, t0, seq)
+        self._last_saved = iteration
+        self.latest_iteration = -1  # invalidates find_latest's cache, like nvidia-resiliency-ext
+        future = self._worker.submit(self._finish_save, job, group)
+        with self._lock:
+            self._in_flight.append((iteration, future))
+        metrics.stall_s = time.perf_counter() - t0
+        handle = SaveHandle(iteration, staged.staging, future, metrics)
+        if not is_async:
+            handle.wait_staged()
+            handle.wait()
+        return handle
+
+    def _prepare(self, state_dict: Any, iteration: int) -> Any:
+        """Stage 1: the state (a state function is called here), the iteration checked; the
+        first save of a job that did not restore retires an earlier run's newer data.
+
+        A save whose distribution is not cached is a collective step on this thread (the
+        distribution gather). Every rank votes before it, so a rank whose state function or
+        arguments fail takes every rank out of the step together instead of leaving them in
+        the gather (same decision on all ranks: the cache is dropped in step and the kind of
+        state is the same every save)."""
+        control = self._control_group()
+        collective = self._distribution is None and self._kind != "tasd"
+        local: Optional[BaseException] = None
+        try:
+            if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
+                # Built here so a rank whose state function raises still queues its (failed)
+                # job and votes: peers are told at once and job numbering stays in step.
+                state_dict = state_dict()
+            self._check_iteration(iteration)
+        except BaseException as e:
+            local = e
+        if collective:
+            collectives.fail_together(local, f"preparing the save of iteration {iteration}", control)
+        elif local is not None:
+            raise local
+        if not self._restored and not self._started:
+            self._retire_earlier_run(iteration, control)
+        self._started = True
+        return state_dict
+
+    def _snapshot(self, state_dict: Any) -> MCoreTensorAwareStateDict:
+        """Stage 2: the tensor-aware state dict of what this rank saves (its distribution
+        computed — collectively, every rank raising together — or reused from the cache)."""
+        if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
+            # Megatron-LM hands Megatron-core's class to a LocalCheckpointManager.
+            self._kind = "tasd"
+            return MCoreTensorAwareStateDict.adapt(state_dict)
+        tasd, distribution = MCoreTensorAwareStateDict.from_state_dict(
+            state_dict,
+            algo="fully_parallel",
+            parallelization_group=self._parallel_group(),
+            cached_metadata=self._distribution,
+            validation_group=self._control_group(),
+        )
+        self._distribution = distribution or self._distribution
+        self._kind = "dict"
+        return tasd
+
+    def _stage(self, tasd: MCoreTensorAwareStateDict, iteration: int, staged: "_Staged") -> None:
+        """Stage 3: lay the tensors out in a store segment, start the copies, encode the hollow
+        state dict while they run (the copy thread releases the GIL), build the header."""
+        tensors = list(tasd.tensors)
+        layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
+        staged.segment = self._prefetcher.take(total)
+        self.store.claim(staged.segment, iteration, self.rank)
+        staged.staging = self._stager.stage(tensors, staged.segment, layouts)
+        popped = tasd.pop_tensors()
+        try:
+            meta = tasd.to_bytes()
+        finally:
+            tasd.insert_tensors(popped)
+        staged.header = CheckpointHeader(
             session=self.session_id,
             iteration=iteration,
             owner=self.rank,
@@ -143,19 +189,17 @@ class SavePath:
                 "ranks_per_node": self.placement.ranks_per_node,
             },
         )
-        metrics = SaveMetrics(iteration=iteration, bytes_staged=total)
-        job = _SaveJob(iteration, segment, header, staging, metrics, t0, seq)
-        self._last_saved = iteration
-        self.latest_iteration = -1  # invalidates find_latest's cache, like nvidia-resiliency-ext
-        future = self._worker.submit(self._finish_save, job, group)
-        with self._lock:
-            self._in_flight.append((iteration, future))
-        metrics.stall_s = time.perf_counter() - t0
-        handle = SaveHandle(iteration, staging, future, metrics)
-        if not is_async:
-            handle.wait_staged()
-            handle.wait()
-        return handle
+
+    def _release(self, staged: "_Staged") -> None:
+        """A save that failed while staging: its segment back to the pool, once its copies
+        stopped using it."""
+        if staged.staging is not None:
+            try:
+                staged.staging.wait()
+            except Exception:
+                pass
+        if staged.segment is not None:
+            self.store.release(staged.segment)
 
     def _retire_earlier_run(self, iteration: int, control) -> None:
         """First save of a job that did not restore: it starts fresh on purpose, so this
@@ -259,66 +303,74 @@ class SavePath:
             self.fault_hook(point)
 
     def _finish_save(self, job: _SaveJob, group) -> SaveMetrics:
+        """The save thread's job: store and replicate, agree on every rank, then retire."""
+        outcome = self._store_and_replicate(job, group)
+        agreed = self._agree(job, group, outcome)
         m = job.metrics
-        ok = False
-        received: List[CheckpointId] = []
-        error: Optional[BaseException] = None
-        replicating = False
-        try:
-            t = time.perf_counter()
-            job.staging.wait()
-            m.staging_s = time.perf_counter() - t
-            self._fault("after_staging")
-            t = time.perf_counter()
-            header = _with_checksums(job.header, job.segment)
-            m.checksum_s = time.perf_counter() - t
-            t = time.perf_counter()
-            self.store.publish(job.segment, header)
-            m.publish_s = time.perf_counter() - t
-            self._fault("after_publish")
-            t = time.perf_counter()
-            self._fault("before_replication")
-            replicating = True
-            received = self._replicate(header, job.segment, m)
-            m.replication_s = time.perf_counter() - t
-            self._fault("after_replication")
-            ok = True
-        except BaseException as e:  # reported after agreement, so peers are not left waiting
-            error = e
-            logger.warning("save of iteration %d failed on rank %d: %s", job.iteration, self.rank, e)
-        finally:
-            job.segment.close()
-        if not replicating and group is not None:
-            # Failed before the exchange: take part in it anyway (empty replicas, refusals),
-            # so holders and sources learn now instead of after the transport timeout.
-            try:
-                self._replicate_nothing()
-            except Exception as e:
-                logger.debug("failed save of iteration %d: exchange: %s", job.iteration, e)
-        t = time.perf_counter()
-        try:
-            self._fault("before_agreement")
-        except BaseException as e:  # still vote (no), so peers are not left waiting
-            ok = False
-            error = error or e
-        try:
-            agreed = collectives.all_agree(ok, group) if group is not None else ok
-        except Exception as e:
-            agreed = False
-            error = error or e
-        m.agreement_s = time.perf_counter() - t
         m.durable_s = time.perf_counter() - job.t_start
         if not agreed:
-            self._discard_failed(job.iteration, received)
+            self._discard_failed(job.iteration, outcome.received)
             # A structure change on some rank invalidates the cached distribution everywhere
             # (applied in step on every rank, see _refresh_distribution).
             with self._lock:
                 self._failed_seqs.add(job.seq)
             raise CheckpointingException(
                 f"local checkpoint of iteration {job.iteration} is not complete on every rank "
-                f"(this rank: {'ok' if ok else repr(error)}); the previous complete iteration "
-                f"{self._complete[-1] if self._complete else 'none'} stays loadable"
-            ) from error
+                f"(this rank: {'ok' if outcome.ok else repr(outcome.error)}); the previous complete "
+                f"iteration {self._complete[-1] if self._complete else 'none'} stays loadable"
+            ) from outcome.error
+        self._complete_save(job)
+        return m
+
+    def _store_and_replicate(self, job: _SaveJob, group) -> "_Outcome":
+        """Wait for the copies, checksum, publish, replicate — timed stage by stage. A failure
+        is kept for the agreement (peers must not be left waiting), and a rank that failed
+        before replicating still takes part in the exchange (empty replicas, refusals)."""
+        m, out = job.metrics, _Outcome()
+        replicating = False
+        try:
+            with _timed(m, "staging_s"):
+                job.staging.wait()
+            self._fault("after_staging")
+            with _timed(m, "checksum_s"):
+                header = _with_checksums(job.header, job.segment)
+            with _timed(m, "publish_s"):
+                self.store.publish(job.segment, header)
+            self._fault("after_publish")
+            with _timed(m, "replication_s"):
+                self._fault("before_replication")
+                replicating = True
+                out.received = self._replicate(header, job.segment, m)
+            self._fault("after_replication")
+            out.ok = True
+        except BaseException as e:  # reported after agreement, so peers are not left waiting
+            out.error = e
+            logger.warning("save of iteration %d failed on rank %d: %s", job.iteration, self.rank, e)
+        finally:
+            job.segment.close()
+        if not replicating and group is not None:
+            # So holders and sources learn now instead of after the transport timeout.
+            try:
+                self._replicate_nothing()
+            except Exception as e:
+                logger.debug("failed save of iteration %d: exchange: %s", job.iteration, e)
+        return out
+
+    def _agree(self, job: _SaveJob, group, out: "_Outcome") -> bool:
+        """One all-reduce: complete on every rank or not (a failing rank still votes)."""
+        with _timed(job.metrics, "agreement_s"):
+            try:
+                self._fault("before_agreement")
+            except BaseException as e:  # still vote (no), so peers are not left waiting
+                out.ok, out.error = False, out.error or e
+            try:
+                return collectives.all_agree(out.ok, group) if group is not None else out.ok
+            except Exception as e:
+                out.error = out.error or e
+                return False
+
+    def _complete_save(self, job: _SaveJob) -> None:
+        """After the agreement: persistent flush (every M saves), retention, next segment."""
         self._complete.append(job.iteration)
         if self._tier is not None:
             # Every rank reaches this at the same save (after the agreement), so the tier's
@@ -332,9 +384,8 @@ class SavePath:
         except OSError as e:  # the save itself is complete; retiring is retried next time
             logger.warning("could not retire old checkpoints in %s: %s", self.store.dir, e)
         self._prefetcher.prefetch(job.header.data_nbytes)
-        self.last_save_metrics = m
-        logger.debug("saved iteration %d: %s", job.iteration, m.as_dict())
-        return m
+        self.last_save_metrics = job.metrics
+        logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())
 
     def _replicate(self, header: CheckpointHeader, segment: Segment, m: SaveMetrics) -> List[CheckpointId]:
         """Hand the published checkpoint to the replicator (peers or the node daemon)."""
