@@ -143,7 +143,10 @@ def _frozen_during_restore(ctx):
     except CheckpointingException as e:
         outcome = type(e).__name__
     seconds = time.monotonic() - t
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    try:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # another survivor killed it first
     return outcome, seconds
 
 

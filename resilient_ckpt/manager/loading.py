@@ -104,18 +104,7 @@ class LoadPath:
         tasd = self._decode(retrieved, iteration)
         extra: Dict[Any, torch.Tensor] = {}
         try:
-            # Replicas of lost ranks that this rank verified: it serves their shards below.
-            for hdr, views in retrieved.serving.values():
-                replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
-                extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
-            # Shards the template needs that this rank did not save but a replica in this
-            # node's store holds (ring placement puts the previous node's ranks here: typically
-            # half of the data-parallel replicated shards): read locally, not over the network.
-            if targets and retrieved.served_by is None:
-                own = {st.shard_id for st in tasd.tensor_metadata}
-                wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
-                if wanted:
-                    extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
+            extra = self._extra_shards(retrieved, tasd, iteration, targets)
         except Exception as e:
             local = e
         collectives.fail_together(local, f"restoring iteration {iteration}", self._control_group())
@@ -130,16 +119,7 @@ class LoadPath:
             extra_held=extra,
             validation_group=self._control_group(),
         )
-        borrowed = retrieved.borrowed_storages()
-        if borrowed:
-            # Views of store segments must not escape: they are recycled by later saves.
-            state = map_leaves(
-                lambda v: v.clone()
-                if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-                and v.untyped_storage().data_ptr() in borrowed
-                else v,
-                state,
-            )
+        state = _unborrow(state, retrieved.borrowed_storages())
         del tasd, retrieved, extra
         self._heal_after_restore()
         m = self.last_load_metrics
@@ -150,6 +130,23 @@ class LoadPath:
             self.rank, iteration, m.source, m.source_rank, m.total_s,
         )
         return state, iteration
+
+    def _extra_shards(self, retrieved: Retrieved, tasd, iteration: int, targets) -> Dict[Any, torch.Tensor]:
+        """Shards this rank can serve or fill beyond its own checkpoint: replicas of lost
+        ranks it verified (it serves their shards in the exchange), and template shards it
+        did not save that a replica in this node's store holds (ring placement puts the
+        previous node's ranks here: typically half of the data-parallel replicated shards) —
+        read locally, not over the network."""
+        extra: Dict[Any, torch.Tensor] = {}
+        for hdr, views in retrieved.serving.values():
+            replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
+            extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
+        if targets and retrieved.served_by is None:
+            own = {st.shard_id for st in tasd.tensor_metadata}
+            wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
+            if wanted:
+                extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
+        return extra
 
     def _check_template(self, holdings: Holdings, iteration: int, template: Any, strict) -> None:
         """Collective: raise on every rank, before anything is read into ``template``, if
@@ -285,6 +282,16 @@ class LoadPath:
             self.store.sweep_orphans()
         except OSError as e:  # housekeeping: must not keep this rank from the collectives below
             logger.warning("could not recycle leftovers in %s: %s", self.store.dir, e)
+        retrieved, iteration, holdings = self._first_restorable(
+            complete, holdings, borrow, targets, template, strict
+        )
+        self._adopt(retrieved, iteration, holdings, complete)
+        return retrieved, iteration
+
+    def _first_restorable(self, complete, holdings, borrow, targets, template, strict):
+        """Retrieve the newest complete iteration whose copies verify; older ones if not
+        (decided from gathered facts, so every rank falls back together)."""
+        control = self._control_group()
         last_error: Optional[BaseException] = None
         for iteration in complete:
             self._drop_abandoned(newer_than=iteration)
@@ -299,24 +306,24 @@ class LoadPath:
                     self.store, holdings, iteration, control, self._transport, self.rank,
                     self.world_size, borrow=borrow, targets=targets,
                 )
-                break
+                return retrieved, iteration, holdings
             except (CorruptCheckpointError, NoReplicaError) as e:
-                # Decided from gathered facts, so every rank falls back together.
                 logger.warning(
                     "iteration %d cannot be restored (%s); falling back to the previous complete "
                     "iteration", iteration, e,
                 )
                 last_error = e
-        else:
-            raise CheckpointingException(
-                f"no complete iteration could be restored (tried {complete}); last error: "
-                f"{last_error}"
-            ) from last_error
+        raise CheckpointingException(
+            f"no complete iteration could be restored (tried {complete}); last error: "
+            f"{last_error}"
+        ) from last_error
+
+    def _adopt(self, retrieved: Retrieved, iteration: int, holdings: Holdings, complete: List[int]) -> None:
+        """The restored iteration defines the timeline (also for an in-process restart):
+        newer ones were abandoned, so the trainer may save those iteration numbers again."""
         self._restored = True
         self._restore_facts = (holdings, iteration)
         self.latest_iteration = iteration
-        # The restored iteration defines the timeline (also for an in-process restart): newer
-        # ones were abandoned above, so the trainer may save those iteration numbers again.
         self._last_saved = iteration
         self._complete = sorted(it for it in complete if it <= iteration)[-self.keep_last :]
         self.last_load_metrics = LoadMetrics(
@@ -328,7 +335,6 @@ class LoadPath:
             attempts=retrieved.attempts,
             failed_copies=retrieved.failed_copies,
         )
-        return retrieved, iteration
 
     def load(self) -> Tuple[MCoreTensorAwareStateDict, Tuple[int, int, str]]:
         """``LocalCheckpointManager.load``: the newest complete iteration's state dict (call
@@ -413,6 +419,20 @@ def rank_ranges(ranks: List[int]) -> str:
         else:
             out.append(str(r))
     return ", ".join(out)
+
+
+def _unborrow(state: Any, borrowed: Set[int]) -> Any:
+    """Views of store segments must not escape a load (later saves recycle the segments):
+    clone the tensors of ``state`` that view one."""
+    if not borrowed:
+        return state
+    return map_leaves(
+        lambda v: v.clone()
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+        and v.untyped_storage().data_ptr() in borrowed
+        else v,
+        state,
+    )
 
 
 def _restore_devices(tasd: MCoreTensorAwareStateDict) -> None:
