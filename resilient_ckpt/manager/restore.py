@@ -212,23 +212,14 @@ def retrieve(
         if result is not None and done is None:
             result.attempts = attempt
             done = result
-        local_fail = [list(f) for f in failures]
         gathered = collectives.gather_or_fail(
-            local_fail, local_exc, f"retrieving iteration {iteration}", group
+            [list(f) for f in failures], local_exc, f"retrieving iteration {iteration}", group
         )
         all_failed = {(int(s), int(o)) for per in gathered for s, o in per}
         if not all_failed:
             break
         failed_log.extend(sorted(all_failed))
-        # Ranks of one node serve the same store file: a copy that failed there fails for all of
-        # them, so exclude the node's copy at once (else a corrupt local file would take one
-        # attempt per rank of the node and exhaust MAX_ATTEMPTS before a remote replica).
-        exclude |= {
-            (s, o)
-            for s_failed, o in all_failed
-            for s in range(world_size)
-            if holdings.node_of(s) == holdings.node_of(s_failed)
-        }
+        exclude |= _node_copies(all_failed, holdings, world_size)
         # Receivers whose copy failed go again; everyone else is done.
         pending = {f.receiver for f in plan if (f.source, f.owner) in all_failed}
         if me in pending:
@@ -247,6 +238,18 @@ def retrieve(
     done.serving = serving
     done.seconds = time.perf_counter() - t0
     return done
+
+
+def _node_copies(failed: Set[Tuple[int, int]], holdings: Holdings, world_size: int) -> Set[Tuple[int, int]]:
+    """Ranks of one node serve the same store file: a copy that failed there fails for all of
+    them, so the node's copy is excluded at once (else a corrupt local file would take one
+    attempt per rank of the node and exhaust MAX_ATTEMPTS before a remote replica)."""
+    return {
+        (s, o)
+        for s_failed, o in failed
+        for s in range(world_size)
+        if holdings.node_of(s) == holdings.node_of(s_failed)
+    }
 
 
 @dataclass
