@@ -238,6 +238,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         self._tier = None  # the persistent tier, built on first use
 
     def _connect_daemon(self, endpoint: str) -> None:
+        # Lazy: service mode only (pulls ZeroMQ and the wire protocol into the trainer).
         from ..service.client import DaemonClient
         from ..service.replicator import ServiceReplicator
 
@@ -296,6 +297,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         """The persistent tier, built on first use (collective: it creates its own group)."""
         p = self.options.persistent
         if self._tier is None and p.directory is not None:
+            # Lazy: only with a persistent tier (torch.distributed.checkpoint is heavy to import).
             from ..persistent.tier import PersistentTier
 
             self._tier = PersistentTier(

@@ -29,6 +29,7 @@ from ..errors import (
 from ..replication.placement import Fetch, plan_retrieval
 from ..replication.transport import Incoming, Outgoing, P2PTransport
 from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
 logger = logging.getLogger(__name__)
 
@@ -416,8 +417,6 @@ def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping
     CPU) are read from the store file straight into it; the others become read-only views of
     a mapping of the segment (only mapped if needed). Returns (header, tensors, mapping or
     None, bytes, decoded hollow state dict or None)."""
-    from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
-
     reader = store.open(cid)
     header = reader.header
     tensors: List[Optional[torch.Tensor]] = [None] * len(header.tensors)
@@ -452,8 +451,6 @@ def read_local_shards(
     ``iteration`` in this node's store, straight into the targets, each verified against its
     checksum. Returns the shard ids filled (-> their target); anything unusable is skipped (the
     load exchange brings it from another rank instead)."""
-    from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
-
     filled: Dict[Any, torch.Tensor] = {}
     for cid in store.list():
         if cid.iteration != iteration or cid.owner == skip_owner or len(filled) == len(wanted):

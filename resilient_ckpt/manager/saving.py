@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, List, Optional
 
+from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+
 from ..errors import CheckpointingException, ReplicationError, StoreError, ValidationError
 from ..memory import checksum
 from ..memory.staging import StagingHandle
@@ -441,8 +443,6 @@ class SavePath:
 
 
 def _is_foreign_tasd(obj: Any) -> bool:
-    from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
-
     return isinstance(obj, TensorAwareStateDict) and not isinstance(obj, MCoreTensorAwareStateDict)
 
 

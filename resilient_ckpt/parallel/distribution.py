@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from . import collectives
@@ -255,8 +256,6 @@ _ITEMSIZE: Dict[str, int] = {}
 def _itemsize(dtype_name: str) -> int:
     size = _ITEMSIZE.get(dtype_name)
     if size is None:
-        import torch
-
         dt = getattr(torch, dtype_name, None)
         if not isinstance(dt, torch.dtype):
             raise ValidationError(f"unknown dtype {dtype_name!r} in shard metadata")

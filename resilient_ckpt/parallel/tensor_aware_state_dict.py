@@ -23,6 +23,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from . import collectives
+from ..model import codec
 from .distribution import (
     ShardDistribution,
     check_cached,
@@ -486,8 +487,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """msgpack encoding of a hollow instance (metadata + common state; no tensor bytes)."""
         if not self._is_hollow and any(self._saved):
             raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
-        from ..model import codec
-
         return codec.encode(
             {
                 "common": self.common,
@@ -499,8 +498,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "MCoreTensorAwareStateDict":
-        from ..model import codec
-
         d = codec.decode(data)
         try:
             inst = cls(
@@ -648,8 +645,6 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             for key, off, shape in g["held_obj"]:
                 holders.setdefault((key, tuple(off), tuple(shape)), r)
         # (Every wanted object has a holder: _load_verdict checked it.)
-        from ..model import codec
-
         mine = {oid: held_objects[oid].data for oid, r in holders.items() if r == me and oid in wanted}
         # An unencodable object must not leave the other ranks waiting: the error travels in
         # the gathered bytes (first byte 1) and every rank raises.
