@@ -12,7 +12,7 @@ from .errors import CheckpointingException  # noqa: E402
 from .model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, is_main_replica  # noqa: E402
 from .model.validation import StrictHandling  # noqa: E402
 
-__version__ = "0.1.0"
+from .version import __version__ as __version__  # noqa: E402  (re-exported)
 
 _LAZY = {
     "MCoreTensorAwareStateDict": ".parallel.tensor_aware_state_dict",

@@ -393,7 +393,7 @@ def test_status_shows_node_version_store_peers_in_flight_and_rejects(cluster, ca
     import resilient_ckpt
     from resilient_ckpt.service.wire.auth import Authenticator
     from resilient_ckpt.service.client import DaemonClient
-    from resilient_ckpt.service.wire.protocol import PROTOCOL_VERSION, PeerTimeout
+    from resilient_ckpt.service.wire import PROTOCOL_VERSION, PeerTimeout
 
     peers, roots = cluster
     _wait_for(lambda: _status_json(peers[1], capsys)["daemon"]["peers"][0]["reachable"], "node 1 to see node 0")

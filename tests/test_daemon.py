@@ -51,7 +51,7 @@ from resilient_ckpt.service.daemon import (
     parse_bytes,
     parse_peers,
 )
-from resilient_ckpt.service.wire.protocol import (
+from resilient_ckpt.service.wire import (
     PROTOCOL_VERSION,
     ErrorCode,
     Message,

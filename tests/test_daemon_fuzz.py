@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.service.wire.auth import Authenticator, ReplayGuard, generate_secret
-from resilient_ckpt.service.wire.protocol import (
+from resilient_ckpt.service.wire import (
     PROTOCOL_VERSION,
     Message,
     MessageType,
@@ -59,6 +59,29 @@ class Flood:
         self.expected_rejects += rejected
         while self.sock.poll(0):
             self.answers.append(self.sock.recv_multipart())
+
+    def wait_handled(self, timeout_s: float = 60.0) -> None:
+        """Return once the daemon handled everything sent so far. A STATUS on this connection is
+        answered only after every message sent before it (one connection's messages arrive and
+        are handled in order); a STATUS on another connection would not wait for them (the
+        ROUTER reads its connections in turn), so a daemon behind the flood would count fewer
+        rejections than were sent. Sent again when its answer does not come: a daemon drops
+        the answers of a peer that does not read fast enough instead of blocking on it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            req_id = random.getrandbits(63)
+            marker = encode(Message(type=MessageType.STATUS, session=SESSION, sender="fuzzer", req_id=req_id), AUTH)
+            self.sock.send_multipart([bytes(f) for f in marker], copy=True)
+            retry_at = time.monotonic() + 5.0
+            while time.monotonic() < min(retry_at, deadline):
+                if not self.sock.poll(100):
+                    continue
+                answer = self.sock.recv_multipart()
+                self.answers.append(answer)
+                header = msgpack.unpackb(answer[0], raw=False)
+                if header["req_id"] == req_id and header["type"] == int(MessageType.OK):
+                    return
+        raise AssertionError(f"the daemon did not answer a STATUS sent after the flood within {timeout_s:g} s")
 
     def close(self) -> None:
         self.sock.close(0)
@@ -190,6 +213,7 @@ def test_ten_thousand_hostile_messages_change_nothing_and_are_all_counted(tmp_pa
         assert flood.sent >= 10_000
 
         # everything sent was read and handled: a STATUS queued behind the flood is answered
+        flood.wait_handled()
         with daemon.client(timeout_s=30) as c:
             status = c.status()
             assert daemon.alive() and status["node_id"] == 0

@@ -28,7 +28,7 @@ from resilient_ckpt.service.wire.auth import (
     load_secret,
     write_secret_file,
 )
-from resilient_ckpt.service.wire.protocol import (
+from resilient_ckpt.service.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     AuthenticationError,

@@ -21,7 +21,7 @@ import zmq
 from harness import free_port
 from resilient_ckpt.service.client import ClockSkewError, DaemonClient, DaemonError, Rpc
 from resilient_ckpt.service.daemon import Daemon, DaemonConfig
-from resilient_ckpt.service.wire.protocol import (
+from resilient_ckpt.service.wire import (
     ErrorCode,
     Message,
     MessageType,
@@ -318,7 +318,7 @@ def test_a_timeout_blames_the_clock_only_when_an_answer_showed_skew():
 
 def test_the_replay_guard_refuses_what_predates_its_floor_and_names_the_start():
     from resilient_ckpt.service.wire.auth import ReplayGuard
-    from resilient_ckpt.service.wire.protocol import PredatesStart, StaleMessage
+    from resilient_ckpt.service.wire import PredatesStart, StaleMessage
 
     now = [10**18]
     guard = ReplayGuard(window_s=60, clock=lambda: now[0], not_before_ns=now[0])

@@ -1,32 +1,24 @@
 """Layer 7: the per-node checkpoint service (one daemon per node, ZeroMQ, msgpack frames).
 
-This package's foundation is the wire protocol (:mod:`.protocol`: message types, body
-schemas, encode/decode with limits, flow control, socket helpers) and its authentication
-(:mod:`.auth`: HMAC tags with the job's shared secret, replay guard, reject counters). The
-daemon and the trainer-side client build on these. docs/protocol.md is the specification.
+This package's foundation is the wire format (:mod:`.wire`: message types and body schemas,
+envelope encode/decode with limits, flow control, socket helpers, and authentication with the
+job's shared secret, replay guard and reject counters). The daemon (:mod:`.daemon`) and the
+trainer-side client (:mod:`.client`) build on it. docs/protocol.md is the specification.
 """
 
 from __future__ import annotations
 
-from .wire.auth import (
-    Authenticator,
-    RejectCounters,
-    ReplayGuard,
-    authenticator_from_env,
-    generate_secret,
-    load_secret,
-    write_secret_file,
-)
-from .wire.protocol import (
+from .wire import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     AuthenticationError,
+    Authenticator,
     CreditGranter,
     CreditWindow,
     ErrorCode,
-    Limits,
     LimitExceeded,
+    Limits,
     MalformedMessage,
     Message,
     MessageType,
@@ -34,20 +26,26 @@ from .wire.protocol import (
     PeerUnreachable,
     ProtocolConfigError,
     ProtocolError,
+    RejectCounters,
     ReplayedMessage,
+    ReplayGuard,
     StaleMessage,
     UnknownMessageType,
     UnsupportedVersion,
     WrongSession,
+    authenticator_from_env,
     chunk_checksum,
     configure_socket,
     decode,
     encode,
     error_body,
+    generate_secret,
+    load_secret,
     negotiate_version,
     recv,
     recv_from,
     send,
+    write_secret_file,
 )
 
 __all__ = [

@@ -21,18 +21,20 @@ import xxhash
 import zmq
 
 from ..errors import CorruptCheckpointError, NoReplicaError, ReplicationError, StoreFullError
-from .wire.auth import Authenticator, ReplayGuard, authenticator_from_env
-from .wire.protocol import (
+from .wire import (
     DEFAULT_LIMITS,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
+    Authenticator,
     ErrorCode,
     Limits,
     Message,
     MessageType,
     PeerTimeout,
     ProtocolError,
+    ReplayGuard,
     StaleMessage,
+    authenticator_from_env,
     configure_socket,
     decode,
     encode,
@@ -427,12 +429,8 @@ class Rpc:
             self.stale_skew_s = None
             attempt = resends = 0
             while attempt <= retries:
-                # A new Message per send: fresh nonce and timestamp (a daemon refuses a message
-                # older than its start, e.g. one encoded before it restarted).
-                msg = self.message(mtype, session, body, req_id=req_id)
                 try:
-                    self.send(msg, timeout_s=timeout_s)
-                    reply = self.await_reply(req_id, time.monotonic() + timeout_s + wait_s)
+                    reply = self._attempt(mtype, session, body, req_id, timeout_s=timeout_s, wait_s=wait_s)
                 except PeerTimeout as exc:
                     last = exc
                     attempt += 1
@@ -455,6 +453,37 @@ class Rpc:
                         fix="run the same resilient-ckpt release on the daemon and its clients",
                     )
                 return reply
+        raise self._no_answer(mtype, retries, timeout_s + wait_s) from last
+
+    def _attempt(self, mtype: MessageType, session: str, body: Mapping[str, Any], req_id: int, *,
+                 timeout_s: float, wait_s: float) -> Message:
+        """One send and the wait for its answer. A new Message per send: fresh nonce and
+        timestamp (a daemon refuses a message older than its start, e.g. one encoded before it
+        restarted), stamped once the socket can take it: one stamped while the daemon was still
+        starting up would be refused (and counted among its rejected messages)."""
+        self._wait_sendable(mtype, timeout_s)
+        msg = self.message(mtype, session, body, req_id=req_id)
+        self.send(msg, timeout_s=timeout_s)
+        return self.await_reply(req_id, time.monotonic() + timeout_s + wait_s)
+
+    def _wait_sendable(self, mtype: MessageType, timeout_s: float) -> None:
+        """Until the socket can take a message (with IMMEDIATE: a connection is up); the same
+        PeerTimeout a send waiting that long would raise, early if cancelled."""
+        sock = self.socket
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(0, zmq.POLLOUT):
+            remaining = deadline - time.monotonic()
+            cancelled = self.cancel is not None and self.cancel.is_set()
+            if remaining <= 0 or cancelled:
+                raise PeerTimeout(
+                    f"gave up sending {mtype.name}: shutting down" if cancelled
+                    else f"could not send {mtype.name} within {timeout_s:g} s (peer not connected or not reading)",
+                    peer=self.endpoint,
+                    fix="check that the peer's daemon is up and reachable; retry later or another holder",
+                )
+            sock.poll(_ms(min(remaining, _SLICE_S)), zmq.POLLOUT)
+
+    def _no_answer(self, mtype: MessageType, retries: int, seconds: float) -> PeerTimeout:
         fix = ("check that the daemon is running at this endpoint (resilient-ckpt serve) and that it "
                "uses the job's secret: it drops messages it cannot authenticate without answering")
         if self.stale_skew_s is not None:  # only with evidence: an answer came back outside the window
@@ -462,12 +491,12 @@ class Rpc:
                     "clock: the clocks disagree beyond the replay window and each side drops the other's "
                     "messages, synchronise clocks (NTP/chrony)")
         exc = PeerTimeout(
-            f"no answer to {mtype.name} after {retries + 1} attempt(s) of {timeout_s + wait_s:g} s",
+            f"no answer to {mtype.name} after {retries + 1} attempt(s) of {seconds:g} s",
             peer=self.endpoint,
             fix=fix,
         )
         exc.clock_skew_s = self.stale_skew_s  # for callers that word their own message (the CLI)
-        raise exc from last
+        return exc
 
     def _predates_start_wait(self, reply: Message) -> Optional[float]:
         """Seconds until this host's clock passes the daemon's start, if ``reply`` refuses a
@@ -544,7 +573,7 @@ def send_until(
     cancel: Optional[threading.Event] = None,
     peer: str = "",
 ) -> None:
-    """:func:`~.protocol.send` on a DEALER that gives up early when ``cancel`` is set (the
+    """:func:`~.wire.sockets.send` on a DEALER that gives up early when ``cancel`` is set (the
     message is encoded once; waiting for the socket to take it happens in short slices)."""
     if cancel is None:
         send(sock, msg, authenticator, timeout_ms=_ms(timeout_s), limits=limits)
@@ -709,7 +738,7 @@ class DaemonClient:
         while True:
             remaining = deadline - time.monotonic()
             state = self.replication(iteration, owner, wait_s=max(0.0, min(remaining, 10.0)))
-            _raise_unless_replicating(state, self.session)
+            raise_unless_replicating(state, self.session)
             if state.state == "replicated":
                 return state
             if time.monotonic() >= deadline:
@@ -790,7 +819,7 @@ class DaemonClient:
         self.close()
 
 
-def _raise_unless_replicating(state: ReplicationState, session: str) -> None:
+def raise_unless_replicating(state: ReplicationState, session: str) -> None:
     where = f"iteration {state.iteration} of rank {state.owner} (session {session!r})"
     if state.state == "failed":
         node = f"node {state.failed_node}" if state.failed_node is not None else "a holder"

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .client import DaemonClient
+from .wire import Authenticator, load_secret, write_secret_file
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -21,8 +24,6 @@ def _free_port() -> int:
 
 class LocalDaemonCluster:
     def __init__(self, roots: Sequence[Path], workdir: Path, session: str):
-        from .wire.auth import write_secret_file
-
         self.roots = [Path(r) for r in roots]
         self.workdir = Path(workdir)
         self.session = session
@@ -56,9 +57,6 @@ class LocalDaemonCluster:
         )
 
     def wait_ready(self, node: int, timeout: float = 60.0) -> None:
-        from .wire.auth import Authenticator, load_secret
-        from .client import DaemonClient
-
         auth = Authenticator(load_secret(str(self.secret_file)))
         with DaemonClient(self.endpoints[node], self.session, auth, timeout_s=5) as c:
             c.wait_ready(timeout)

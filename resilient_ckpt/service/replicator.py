@@ -14,9 +14,9 @@ import time
 from typing import Optional
 
 from ..errors import ReplicationError, StoreError
-from ..replication.peer import ReplicationResult
 from ..memory.store import CheckpointHeader, CheckpointStore, Segment
-from .client import DaemonClient, ReplicationState, _raise_unless_replicating, header_digest
+from ..replication.peer import ReplicationResult
+from .client import DaemonClient, ReplicationState, raise_unless_replicating, header_digest
 
 #: Longest single long-poll; the loop re-commits (idempotent) until the overall deadline, which
 #: also re-arms replication if the daemon restarted meanwhile.
@@ -66,7 +66,7 @@ class ServiceReplicator:
                 wait_s=max(0.001, min(_POLL_S, remaining)),
             )
             self.last_state = state
-            _raise_unless_replicating(state, self.client.session)
+            raise_unless_replicating(state, self.client.session)
             if state.state == "replicated":
                 return ReplicationResult(received=[], bytes_out=state.bytes_out, bytes_in=0)
             if time.monotonic() >= deadline:

@@ -27,6 +27,7 @@ accepts its own configured digest (no downgrade).
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import heapq
 import hmac
@@ -42,7 +43,7 @@ from typing import Callable, Dict, Optional, Sequence, Union
 
 import xxhash
 
-from .protocol import (
+from .errors import (
     AuthenticationError,
     PredatesStart,
     ProtocolConfigError,
@@ -366,8 +367,6 @@ class ReplayGuard:
 
 def format_time_ns(t_ns: int) -> str:
     """``time.time_ns()`` value as UTC ISO 8601 with milliseconds (for error texts and logs)."""
-    import datetime
-
     return datetime.datetime.fromtimestamp(t_ns / 1e9, datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
