@@ -75,9 +75,11 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     from resilient_ckpt import ShardedTensor
-    from resilient_ckpt.persistent.dcp import CountingStorageReader, SafeFileSystemReader, load_local
+    from resilient_ckpt.persistent.local_load import load_local
+    from resilient_ckpt.persistent.storage import CountingStorageReader, SafeFileSystemReader
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
-    from resilient_ckpt.persistent.tier import PersistentTier, two_stage_load
+    from resilient_ckpt.persistent.tier import PersistentTier
+    from resilient_ckpt.persistent.two_stage import two_stage_load
 
     root = Path(args.dir)
     per_tensor = args.size_mb * (1 << 20) // args.tensors // 4
@@ -129,7 +131,7 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
         flushes.append({"seconds": _max(res.durable_seconds), "bytes": res.total_bytes,
                         "my_bytes": res.bytes_written, "raw_write_s": raw_s,
                         "full_plans_received": tier.planner.stats.full_plans_received if rank == 0 else None})
-    del share
+    share = None  # released before the loads are measured
     ckpt = Path(tier.latest_complete().path)
     expected = model(args.repeats)
 

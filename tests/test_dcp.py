@@ -16,17 +16,12 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from resilient_ckpt import ShardedObject, ShardedTensor
-from resilient_ckpt.persistent.dcp import (
-    MetadataStateDictLoadPlanner,
-    ResilientLoadPlanner,
-    ResilientSavePlanner,
-    SafeFileSystemReader,
-    chunk_problems,
-    flatten_for_save,
-    load_local,
-    load_metadata_only,
-    read_metadata_file,
-)
+from resilient_ckpt.persistent.checks import chunk_problems
+from resilient_ckpt.persistent.flatten import flatten_for_save
+from resilient_ckpt.persistent.load_planner import MetadataStateDictLoadPlanner, ResilientLoadPlanner
+from resilient_ckpt.persistent.local_load import load_local, load_metadata_only
+from resilient_ckpt.persistent.save_planner import ResilientSavePlanner
+from resilient_ckpt.persistent.storage import SafeFileSystemReader, read_metadata_file
 from resilient_ckpt.parallel.distribution import compute_distribution, structure_fingerprint
 from resilient_ckpt.errors import CodecError, CorruptCheckpointError, ValidationError
 from resilient_ckpt.model.validation import shard_record

@@ -21,16 +21,13 @@ import torch.distributed.checkpoint as dcp
 from harness import node_store_root, run_ranks
 
 from resilient_ckpt import ShardedObject, ShardedTensor
-from resilient_ckpt.persistent.dcp import (
-    CountingStorageReader,
-    SafeFileSystemReader,
-    hollow_fqn,
-    load_metadata_only,
-    read_metadata_file,
-)
+from resilient_ckpt.persistent.layout import hollow_fqn
+from resilient_ckpt.persistent.local_load import load_metadata_only
+from resilient_ckpt.persistent.storage import CountingStorageReader, SafeFileSystemReader, read_metadata_file
 from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError
 from resilient_ckpt.cli.inspect import convert_main, export_main, inspect_main
-from resilient_ckpt.persistent.tier import PersistentTier, StoreSnapshot, restore_latest
+from resilient_ckpt.persistent.snapshot import StoreSnapshot
+from resilient_ckpt.persistent.tier import PersistentTier, restore_latest
 from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 
 SESSION = "persist-test"
@@ -78,7 +75,7 @@ def _job(ctx):
     from resilient_ckpt.parallel.distribution import compute_distribution
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
     from resilient_ckpt.model.nested import nested_values
-    from resilient_ckpt.persistent.tier import two_stage_load
+    from resilient_ckpt.persistent.two_stage import two_stage_load
 
     r, w = ctx.rank, ctx.world_size
     out = {}
@@ -120,7 +117,7 @@ def _job(ctx):
     stats = two_stage_load(two, counting, None)
     naive_reader = CountingStorageReader(SafeFileSystemReader(ckpt))
     naive = template()
-    from resilient_ckpt.persistent.dcp import load_local
+    from resilient_ckpt.persistent.local_load import load_local
 
     load_local(naive, naive_reader)
     out["two_stage"] = {
@@ -527,3 +524,34 @@ def test_tier_arguments_are_validated(tmp_path):
         PersistentTier(tmp_path, every_n_saves=-1)
     with pytest.raises(CheckpointingException, match="keep_last"):
         PersistentTier(tmp_path, keep_last=0)
+
+
+def test_persistent_tier_provides_what_the_manager_uses_of_a_tier(tmp_path):
+    """PersistentTierProtocol lists what CheckpointManager calls on its tier (checked against
+    the manager's source); PersistentTier has each member, accepting the same arguments."""
+    import inspect
+    import re
+
+    import resilient_ckpt.manager as manager_pkg
+    from resilient_ckpt.persistent.interface import PersistentTierProtocol
+
+    methods = {n for n, v in vars(PersistentTierProtocol).items() if callable(v) and not n.startswith("_")}
+    attributes = set(PersistentTierProtocol.__annotations__)
+    used = set()
+    for src in Path(manager_pkg.__file__).parent.glob("*.py"):
+        used |= set(re.findall(r"\b(?:self\._tier|tier)\.([A-Za-z_]\w*)", src.read_text()))
+    assert used == methods | attributes
+
+    tier: PersistentTierProtocol = PersistentTier(tmp_path / "durable", session=SESSION, sync_files=False)
+    try:
+        for name in attributes:
+            assert hasattr(tier, name), name
+        for name in methods:
+            wanted = inspect.signature(getattr(PersistentTierProtocol, name)).parameters
+            offered = inspect.signature(getattr(PersistentTier, name)).parameters
+            for p in wanted.values():
+                assert p.name in offered and offered[p.name].kind == p.kind, (name, p.name)
+            extra = [p for n, p in offered.items() if n not in wanted]
+            assert all(p.default is not inspect.Parameter.empty for p in extra), (name, extra)
+    finally:
+        tier.close()

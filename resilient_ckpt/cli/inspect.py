@@ -54,7 +54,7 @@ def export_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--to", required=True, dest="to", help="the DCP checkpoint directory to write")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (scratch copies only)")
     args = p.parse_args(argv)
-    from ..persistent.tier import export_store_iteration
+    from ..persistent.export import export_store_iteration
 
     try:
         res = export_store_iteration(
@@ -67,7 +67,11 @@ def export_main(argv: Optional[List[str]] = None) -> int:
     print(
         f"exported ranks {list(res.owners_exported) or 'none'} of iteration {res.iteration} "
         f"({_human(res.bytes_written)}) to {res.directory}"
-        + (f"; ranks {list(res.owners_skipped)} were already exported by another run" if res.owners_skipped else "")
+        + (
+            f"; ranks {list(res.owners_skipped)} were already exported by another run"
+            if res.owners_skipped
+            else ""
+        )
     )
     if res.complete:
         print(f"checkpoint complete: all {res.world_size} ranks present, metadata written")
@@ -91,13 +95,8 @@ def describe(directory: str, allow_pickle: bool = False) -> Dict[str, Any]:
     """What a DCP checkpoint holds (used by ``inspect``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..persistent.dcp import (
-        METADATA_NAME,
-        is_internal,
-        read_manifest,
-        read_metadata_file,
-        stored_lengths,
-    )
+    from ..persistent.layout import METADATA_NAME, is_internal
+    from ..persistent.storage import read_manifest, read_metadata_file, stored_lengths
 
     d = Path(directory)
     manifest = read_manifest(d) if d.is_dir() else None
@@ -110,16 +109,26 @@ def describe(directory: str, allow_pickle: bool = False) -> Dict[str, Any]:
         if isinstance(v, TensorStorageMetadata):
             nbytes = math.prod(v.size) * v.properties.dtype.itemsize
             tensor_bytes += nbytes
-            entries.append({
-                "key": fqn, "kind": "tensor", "shape": list(v.size),
-                "dtype": str(v.properties.dtype).replace("torch.", ""), "bytes": nbytes,
-                "chunks": len(v.chunks), "internal": is_internal(fqn),
-            })
+            entries.append(
+                {
+                    "key": fqn,
+                    "kind": "tensor",
+                    "shape": list(v.size),
+                    "dtype": str(v.properties.dtype).replace("torch.", ""),
+                    "bytes": nbytes,
+                    "chunks": len(v.chunks),
+                    "internal": is_internal(fqn),
+                }
+            )
         else:
-            entries.append({
-                "key": fqn, "kind": "value", "bytes": stored.get((fqn, None), 0),
-                "internal": is_internal(fqn),
-            })
+            entries.append(
+                {
+                    "key": fqn,
+                    "kind": "value",
+                    "bytes": stored.get((fqn, None), 0),
+                    "internal": is_internal(fqn),
+                }
+            )
     files = sorted({getattr(i, "relative_path", "?") for i in (md.storage_data or {}).values()})
     return {
         "directory": str(d),
@@ -135,14 +144,18 @@ def describe(directory: str, allow_pickle: bool = False) -> Dict[str, Any]:
 
 
 def inspect_main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="resilient-ckpt inspect", description="Show what a DCP checkpoint holds.")
+    p = argparse.ArgumentParser(
+        prog="resilient-ckpt inspect", description="Show what a DCP checkpoint holds."
+    )
     p.add_argument("directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="also list resilient_ckpt's internal entries")
-    p.add_argument("--allow-pickle", action="store_true", help="unpickle foreign metadata (trusted input only)")
+    p.add_argument(
+        "--allow-pickle", action="store_true", help="unpickle foreign metadata (trusted input only)"
+    )
     args = p.parse_args(argv)
     d = Path(args.directory)
-    from ..persistent.dcp import METADATA_NAME
+    from ..persistent.layout import METADATA_NAME
 
     if d.is_dir() and not (d / METADATA_NAME).exists() and (d / ".export").is_dir():
         return _inspect_partial_export(d)
@@ -155,15 +168,21 @@ def inspect_main(argv: Optional[List[str]] = None) -> int:
         return 0
     head = [f"checkpoint {info['directory']}"]
     if info["iteration"] is not None:
-        head.append(f"iteration {info['iteration']} of session {info['session']!r}, world size {info['world_size']}")
-    head.append(f"written by {info['written_by']} (DCP format {info['dcp_version']}); {len(info['files'])} data file(s)")
+        head.append(
+            f"iteration {info['iteration']} of session {info['session']!r}, world size {info['world_size']}"
+        )
+    head.append(
+        f"written by {info['written_by']} (DCP format {info['dcp_version']}); {len(info['files'])} data file(s)"
+    )
     print("\n".join(head))
     shown = [e for e in info["entries"] if args.all or not e["internal"]]
     width = max([len(e["key"]) for e in shown] + [3])
     print(f"{'key':<{width}}  {'dtype':<9} {'shape':<20} {'size':>11}  chunks")
     for e in shown:
         if e["kind"] == "tensor":
-            print(f"{e['key']:<{width}}  {e['dtype']:<9} {str(tuple(e['shape'])):<20} {_human(e['bytes']):>11}  {e['chunks']}")
+            print(
+                f"{e['key']:<{width}}  {e['dtype']:<9} {str(tuple(e['shape'])):<20} {_human(e['bytes']):>11}  {e['chunks']}"
+            )
         else:
             print(f"{e['key']:<{width}}  {'(value)':<9} {'':<20} {_human(e['bytes']):>11}")
     hidden = len(info["entries"]) - len(shown)
@@ -205,7 +224,7 @@ def convert_main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from ..persistent.dcp import load_metadata_only
+    from ..persistent.local_load import load_metadata_only
 
     try:
         state = load_metadata_only(args.directory, args.keys, allow_pickle=args.allow_pickle)

@@ -169,10 +169,10 @@ def _check_tensor_key(key: str, entries: List[Tuple[int, ShardRecord]]) -> List[
         )
         return out
     boxes = [(off, tuple(o + e for o, e in zip(off, extents[off]))) for off in mains]
-    overlap = _find_overlap(boxes)
+    overlap = find_overlap(boxes)
     if overlap is not None:
         a, b = overlap
-        out.append(f"{key!r}: shards {_fmt_box(a)} and {_fmt_box(b)} overlap")
+        out.append(f"{key!r}: shards {fmt_box(a)} and {fmt_box(b)} overlap")
     covered = sum(math.prod(e) for e in extents.values())
     total = math.prod(global_shape)
     if overlap is None and covered != total:
@@ -183,12 +183,12 @@ def _check_tensor_key(key: str, entries: List[Tuple[int, ShardRecord]]) -> List[
     return out
 
 
-def _fmt_box(box) -> str:
+def fmt_box(box) -> str:
     start, stop = box
     return "[" + ", ".join(f"{a}:{b}" for a, b in zip(start, stop)) + ")"
 
 
-def _find_overlap(boxes):
+def find_overlap(boxes):
     """An overlapping pair among axis-aligned ``(start, stop)`` boxes, or None.
 
     Sweep along the axis with the most distinct starts (a tensor sharded only along axis 1

@@ -69,7 +69,7 @@ def _default_group(group):
     return group
 
 
-def _preprocess(sharded_state_dict: Any) -> Tuple[Any, Any, Any, Any]:
+def preprocess(sharded_state_dict: Any) -> Tuple[Any, Any, Any, Any]:
     """Copy the structure (never the tensors), build factories, adapt Megatron objects.
 
     Returns (sharded_part, common_part, nonpersistent_part, factories).
@@ -166,7 +166,7 @@ def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
     written in place, see ``to_state_dict(load_into_template=True)``)."""
     if not sharded_state_dict:
         return {}
-    sharded, _common, _nonpersistent, _factories = _preprocess(sharded_state_dict)
+    sharded, _common, _nonpersistent, _factories = preprocess(sharded_state_dict)
     out: Dict[Any, torch.Tensor] = {}
     for st in _sharded_tensors(sharded):
         d = st.data
@@ -225,7 +225,7 @@ def check_restorable(
         if local_error is not None:
             raise local_error
         strict = parse_strict_flag(strict)
-        sharded, *_ = _preprocess(template or {})
+        sharded, *_ = preprocess(template or {})
         held = [(st.shard_id, dtype_name(st.dtype), tuple(st.local_shape))
                 for h in saved for st in h.tensor_metadata]
         objects = [o for h in saved for o in _sharded_objects(h.sharded_state_dict)]
@@ -311,7 +311,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         distribution = None
         if cached_metadata is not None:
             # No collective on this path (that is the point of caching), so errors stay local.
-            sharded, common, _nonpersistent, _factories = _preprocess(sharded_state_dict)
+            sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
             shards = _sharded_tensors(sharded)
             _check_not_meta(shards)
             if fully_parallel and n > 1:
@@ -327,7 +327,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         local_exc: Optional[BaseException] = None
         payload = {"rank": _my_global_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
         try:
-            sharded, common, _nonpersistent, _factories = _preprocess(sharded_state_dict)
+            sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
             shards = _sharded_tensors(sharded)
             _check_not_meta(shards)
             payload["shards"] = [list(shard_record(sh)) for sh in shards]
@@ -595,7 +595,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         fully_parallel = _check_algo(algo)
         exchange_algo = check_algo(exchange_algo)
         strict = parse_strict_flag(strict)
-        sharded, _common, nonpersistent, factories = _preprocess(template or {})
+        sharded, _common, nonpersistent, factories = preprocess(template or {})
         held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
         for sid, t in (extra_held or {}).items():
             held.setdefault(sid, t)
@@ -699,7 +699,7 @@ def _load_verdict(scope, members, me, strict, fully_parallel, validate_access_in
     if not fully_parallel:
         # Atomic: a rank's checkpoint must hold every shard it asks for (the others are held
         # by another rank, or the check above would have failed).
-        for r, g in enumerate(members):
+        for g in members:
             absent = [x for x in g["need"] if x[0] in global_ckpt_keys]
             if absent:
                 raise ValidationError(

@@ -11,7 +11,8 @@ Backends:
 
 ``dcp``
     torch.distributed.checkpoint directories written and read with our planners
-    (:mod:`resilient_ckpt.persistent.dcp`): sharded state as DCP entries, common state as a pickle-free
+    (:mod:`~resilient_ckpt.persistent.save_planner`, :mod:`~resilient_ckpt.persistent.load_planner`):
+    sharded state as DCP entries, common state as a pickle-free
     codec file ``common.rckc`` beside them. A manifest (``resilient_ckpt.json``) records the
     backend and version. Two load strategies: every rank reads what it needs
     (:class:`DcpLoadShardedStrategy`), or each entry is read once per data-parallel group and
@@ -27,21 +28,42 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from abc import ABC, abstractmethod
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from ..model import codec
-from ..parallel import collectives
 from ..errors import (
     CheckpointingException,
     CorruptCheckpointError,
     ForeignCheckpointError,
     ValidationError,
 )
+from ..memory.store import FORMAT_VERSION as MEMORY_FORMAT_VERSION
+from ..memory.store import CheckpointId
+from ..model import codec
+from ..model.mapping import ShardedTensor
+from ..model.nested import nested_values
+from ..parallel import collectives
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from .layout import BACKEND, METADATA_NAME, new_manifest
+from .load_planner import ResilientLoadPlanner
+from .local_load import load_local, tensors_metadata
+from .save_planner import ResilientSavePlanner
+from .storage import (
+    ResilientFileSystemWriter,
+    SafeFileSystemReader,
+    error_from_dcp,
+    read_manifest,
+    read_metadata_file,
+    write_bytes_atomic,
+)
+from .two_stage import DEFAULT_READ_AHEAD_BYTES, two_stage_load
 
 CheckpointDir = Union[str, os.PathLike, int]
 
@@ -58,7 +80,9 @@ class StrategyAction(Enum):
 # ---- interfaces ----------------------------------------------------------------------------
 
 
-class LoadStrategyBase(ABC):
+# No abstract method on purpose (B024): as Megatron-core's base classes, these carry shared
+# checks; what a subclass must add (load / save) differs by strategy kind.
+class LoadStrategyBase(ABC):  # noqa: B024
     """A load strategy reads checkpoints of one backend, up to a format version."""
 
     #: backend name this strategy reads
@@ -91,7 +115,7 @@ class LoadStrategyBase(ABC):
         self.check_version_compatibility(version)
 
 
-class SaveStrategyBase(ABC):
+class SaveStrategyBase(ABC):  # noqa: B024
     """A save strategy writes one backend's format at one version."""
 
     def __init__(self, backend: str, version: int):
@@ -201,8 +225,6 @@ def _dir(checkpoint_dir: CheckpointDir) -> Path:
 def read_checkpoint_format(checkpoint_dir: CheckpointDir) -> Tuple[str, int]:
     """(backend, version) of a checkpoint directory, from its manifest; a plain DCP directory
     (written by torch's ``dcp.save``) reads as ``("dcp", 1)``."""
-    from .dcp import METADATA_NAME, read_manifest
-
     d = _dir(checkpoint_dir)
     manifest = read_manifest(d)
     if manifest is not None:
@@ -219,7 +241,7 @@ def _is_coordinator(group) -> bool:
 
 
 class DcpSaveShardedStrategy(SaveShardedStrategy):
-    """Sharded state to a DCP directory with :class:`~resilient_ckpt.persistent.dcp.ResilientSavePlanner`
+    """Sharded state to a DCP directory with :class:`~resilient_ckpt.persistent.save_planner.ResilientSavePlanner`
     (replicas written once, plan cached across saves of one structure, validated plan)."""
 
     def __init__(
@@ -231,8 +253,6 @@ class DcpSaveShardedStrategy(SaveShardedStrategy):
         enable_plan_caching: bool = True,
         version: int = 1,
     ):
-        from .dcp import BACKEND, ResilientSavePlanner
-
         super().__init__(BACKEND, version)
         self.process_group = process_group
         self.thread_count = thread_count
@@ -244,26 +264,14 @@ class DcpSaveShardedStrategy(SaveShardedStrategy):
         return True
 
     def save(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> None:
-        import time
-        import warnings
-
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from .dcp import DCP_FORMAT_VERSION, FORMAT_NAME, ResilientFileSystemWriter
-        from .tier import _from_dcp
-
         d = _dir(checkpoint_dir)
         no_dist = not (dist.is_available() and dist.is_initialized())
         writer = ResilientFileSystemWriter(
             d,
-            manifest={
-                "format": FORMAT_NAME, "backend": self.backend, "version": DCP_FORMAT_VERSION,
-                "session": None, "iteration": None, "created": time.time(),
-                "world_size": dist.get_world_size() if not no_dist else 1, "torch": torch.__version__,
-                "source": "strategy",
-            },
+            manifest=new_manifest(
+                "strategy", session=None, iteration=None,
+                world_size=dist.get_world_size() if not no_dist else 1, backend=self.backend,
+            ),
             thread_count=self.thread_count,
             sync_files=self.sync_files,
         )
@@ -273,21 +281,17 @@ class DcpSaveShardedStrategy(SaveShardedStrategy):
                 dcp.save(sharded_state_dict, storage_writer=writer, planner=self.planner,
                          process_group=self.process_group, no_dist=no_dist)
         except CheckpointException as e:
-            raise _from_dcp(e, f"saving {d}") from None
+            raise error_from_dcp(e, f"saving {d}") from None
 
 
 class DcpSaveCommonStrategy(SaveCommonStrategy):
     """The common state, from group rank 0, as a codec file (no pickle) in the directory."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, version: int = 1):
-        from .dcp import BACKEND
-
         super().__init__(BACKEND, version)
         self.process_group = process_group
 
     def save(self, common_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> None:
-        from .dcp import write_bytes_atomic
-
         if not _is_coordinator(self.process_group):
             return
         d = _dir(checkpoint_dir)
@@ -312,8 +316,6 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
         return True
 
     def _prepare(self, checkpoint_dir: CheckpointDir):
-        from .dcp import ResilientLoadPlanner, SafeFileSystemReader
-
         d = _dir(checkpoint_dir)
         self.check_compatibility(*read_checkpoint_format(d))
         reader = SafeFileSystemReader(d, allow_pickle=self.allow_pickle)
@@ -321,8 +323,6 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
         return d, reader, planner
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
-        from .dcp import load_local
-
         exc = None
         try:
             d, reader, planner = self._prepare(checkpoint_dir)
@@ -334,8 +334,6 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
         return sharded_state_dict
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
-        from .dcp import METADATA_NAME, read_metadata_file, tensors_metadata
-
         d = _dir(checkpoint_dir)
         self.check_compatibility(*read_checkpoint_format(d))
         return tensors_metadata(read_metadata_file(d / METADATA_NAME, self.allow_pickle))
@@ -343,9 +341,9 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
 
 class TwoStageDcpLoadShardedStrategy(DcpLoadShardedStrategy):
     """Each stored entry is read by one rank of ``data_parallel_group`` and broadcast to the
-    others (:func:`~resilient_ckpt.persistent.tier.two_stage_load`)."""
+    others (:func:`~resilient_ckpt.persistent.two_stage.two_stage_load`)."""
 
-    def __init__(self, data_parallel_group: Optional[dist.ProcessGroup] = None, *, read_ahead_bytes: int = 256 << 20,
+    def __init__(self, data_parallel_group: Optional[dist.ProcessGroup] = None, *, read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
                  allow_partial_load: bool = False, allow_pickle: bool = False):
         super().__init__(data_parallel_group, allow_partial_load=allow_partial_load, allow_pickle=allow_pickle)
         self.data_parallel_group = data_parallel_group
@@ -353,8 +351,6 @@ class TwoStageDcpLoadShardedStrategy(DcpLoadShardedStrategy):
         self.last_stats = None
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
-        from .tier import two_stage_load
-
         group = self.data_parallel_group
         exc = None
         reader = planner = None
@@ -410,9 +406,7 @@ def iteration_of(checkpoint_dir: CheckpointDir) -> Optional[int]:
 
 
 def _memory_version() -> int:
-    from ..memory.store import FORMAT_VERSION
-
-    return FORMAT_VERSION
+    return MEMORY_FORMAT_VERSION
 
 
 class MemorySaveShardedStrategy(SaveShardedStrategy):
@@ -469,10 +463,6 @@ class MemoryLoadShardedStrategy(LoadShardedStrategy):
         return state
 
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
-        from ..model.mapping import ShardedTensor
-        from ..memory.store import CheckpointId
-        from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
-
         store = self.manager.store
         want = iteration_of(checkpoint_dir)
         mine = [c for c in store.list() if c.owner == self.manager.rank and (want is None or c.iteration == want)]
@@ -486,8 +476,6 @@ class MemoryLoadShardedStrategy(LoadShardedStrategy):
         self.check_version_compatibility(header.format_version)
         tasd = MCoreTensorAwareStateDict.from_bytes(header.meta)
         out = {}
-        from ..model.nested import nested_values
-
         for st in nested_values(tasd.sharded_state_dict):
             if isinstance(st, ShardedTensor) and st.key not in out:
                 shape = tuple(st.global_shape)
