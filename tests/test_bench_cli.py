@@ -1,21 +1,98 @@
 """`resilient-ckpt bench --quick` as CI's smoke run: every system, real processes, JSON with
 ours / baseline / ratio / limits for each metric (no thresholds asserted: figures are measured,
-not promised, in tests)."""
+not promised, in tests). And the tools extra: the demo and the benchmark say in one line that
+they need it, while the trainer library imports without it."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from resilient_ckpt.cli import extras
+
+TOOLS_MESSAGE = "resilient-ckpt {} needs the tools extra (missing: {}): pip install 'resilient-ckpt[tools]'"
+
+
+def _python_without(blocked, code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter where importing ``blocked`` fails, as without the extra."""
+    prelude = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "command,blocked",
+    [
+        ("demo", ["matplotlib"]),
+        ("bench", ["psutil"]),
+        ("bench", ["matplotlib", "psutil", "rich"]),
+    ],
+)
+def test_a_tool_command_without_the_tools_extra_says_so_in_one_line(command, blocked):
+    proc = _python_without(
+        blocked, f"from resilient_ckpt.cli.main import main; sys.exit(main([{command!r}]))"
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.splitlines() == [TOOLS_MESSAGE.format(command, ", ".join(sorted(blocked)))]
+    assert proc.stdout == ""  # nothing started
+
+
+@pytest.mark.parametrize(
+    "module,command,argv",
+    [
+        ("demo.orchestrator", "demo", []),
+        ("bench.runner", "bench", ["--quick"]),
+    ],
+)
+def test_the_tool_mains_check_for_the_extra_before_any_work(module, command, argv):
+    proc = _python_without(
+        ["matplotlib"], f"from resilient_ckpt.{module} import main; sys.exit(main({argv!r}))"
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.splitlines()[-1] == TOOLS_MESSAGE.format(command, "matplotlib")
+    assert proc.stdout == ""
+
+
+def test_the_trainer_library_and_the_daemon_import_without_the_tools_extra():
+    proc = _python_without(
+        ["matplotlib", "psutil", "rich"],
+        (
+            "import resilient_ckpt\n"
+            "from resilient_ckpt import CheckpointHook, CheckpointManager, MCoreTensorAwareStateDict, TrainState\n"
+            "import resilient_ckpt.service.daemon, resilient_ckpt.persistent.tier\n"
+            "from resilient_ckpt.cli.main import main\n"
+            "sys.exit(main(['--help']))\n"
+        ),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "demo" in proc.stdout and "bench" in proc.stdout
+
+
+def test_the_tools_extra_lists_what_the_tools_import_and_the_runtime_does_not():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+
+    def names(reqs):
+        return {
+            r.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip().lower()
+            for r in reqs
+        }
+
+    runtime, tools = names(project["dependencies"]), names(project["optional-dependencies"]["tools"])
+    needed = {m for mods in extras.TOOL_MODULES.values() for m in mods}
+    assert needed <= tools
+    # rich stays a runtime dependency while the operator commands (status, ls, drop) use it
+    assert not (needed - {"rich"}) & runtime
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_bench_quick_compares_every_system_with_the_baseline_and_the_limits(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "resilient_ckpt.cli.main", "bench", "--quick"]
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_ckpt.cli.main", "bench", "--quick", "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=300,
+        cmd + ["--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -32,12 +32,20 @@ def _describe(x):
     """Everything about a leaf that a checkpoint must preserve, independent of the flavour."""
     cls = type(x).__name__
     if cls == "ShardedTensor":
-        return (cls, x.key, x.dtype, tuple(x.local_shape), tuple(x.global_shape),
-                tuple(x.global_offset), tuple(x.axis_fragmentations), x.replica_id,
-                x.prepend_axis_num, bytes(x.data.contiguous().view(-1).view(torch.uint8).numpy()))
+        return (
+            cls,
+            x.key,
+            x.dtype,
+            tuple(x.local_shape),
+            tuple(x.global_shape),
+            tuple(x.global_offset),
+            tuple(x.axis_fragmentations),
+            x.replica_id,
+            x.prepend_axis_num,
+            bytes(x.data.contiguous().view(-1).view(torch.uint8).numpy()),
+        )
     if cls == "ShardedObject":
-        return (cls, x.key, tuple(x.global_shape), tuple(x.global_offset), x.replica_id,
-                repr(x.data))
+        return (cls, x.key, tuple(x.global_shape), tuple(x.global_offset), x.replica_id, repr(x.data))
     return ("plain", repr(x))
 
 
@@ -51,7 +59,8 @@ def test_ours_and_mcore_flavours_build_the_same_layout_and_content(world_size, d
         for path in a:
             assert _describe(a[path]) == _describe(b[path]), path
         assert type(mcore["model"]["embedding.word_embeddings.weight"]).__module__ == (
-            "megatron.core.dist_checkpointing.mapping")
+            "megatron.core.dist_checkpointing.mapping"
+        )
 
 
 def test_half_the_bytes_are_dp_replicated_and_a_rank_saves_three_quarters_at_w2():
@@ -92,14 +101,12 @@ def test_any_valid_size_splits_exactly_into_replicated_and_unique_halves(units, 
 def test_replicated_shards_hold_the_same_bytes_on_every_rank_and_unique_ones_do_not():
     w0, w1 = Workload(MIB, 2, 0), Workload(MIB, 2, 1)
     for spec in w0.layout.tensors:
-        same = torch.equal(w0.tensors[spec.path].view(torch.uint8),
-                           w1.tensors[spec.path].view(torch.uint8))
+        same = torch.equal(w0.tensors[spec.path].view(torch.uint8), w1.tensors[spec.path].view(torch.uint8))
         assert same == spec.replicated, spec.key
 
 
 def _plain(sd):
-    return map_leaves(lambda x: x.data if type(x).__name__ in ("ShardedTensor", "ShardedObject")
-                      else x, sd)
+    return map_leaves(lambda x: x.data if type(x).__name__ in ("ShardedTensor", "ShardedObject") else x, sd)
 
 
 def test_verify_accepts_the_saved_iteration_and_rejects_another_or_a_missing_key():
@@ -141,10 +148,12 @@ def test_bad_sizes_and_shapes_are_rejected_with_the_fix():
 
 
 def test_memcpy_limits_are_positive_bandwidths():
-    for bw in (limits.memcpy_bandwidth(8 * MIB, reps=2),
-               limits.memcpy_bandwidth(8 * MIB, threads=1, reps=2),
-               limits.shm_memcpy_bandwidth(8 * MIB, reps=2),
-               limits.fresh_memcpy_bandwidth(8 * MIB, reps=2)):
+    for bw in (
+        limits.memcpy_bandwidth(8 * MIB, reps=2),
+        limits.memcpy_bandwidth(8 * MIB, threads=1, reps=2),
+        limits.shm_memcpy_bandwidth(8 * MIB, reps=2),
+        limits.fresh_memcpy_bandwidth(8 * MIB, reps=2),
+    ):
         assert math.isfinite(bw) and bw > 0
     with pytest.raises(ValidationError, match="positive"):
         limits.memcpy_bandwidth(0)
@@ -170,8 +179,10 @@ class EagerSystem:
         self.ctx = ctx
 
     def _paths(self, node_range):
-        return [os.path.join(runner.node_store_root(self.ctx.tmp_root, n), f"{self.ctx.rank}.pt")
-                for n in node_range]
+        return [
+            os.path.join(runner.node_store_root(self.ctx.tmp_root, n), f"{self.ctx.rank}.pt")
+            for n in node_range
+        ]
 
     def save(self, state, iteration):
         snap = None if self.lazy else _clone(_plain(state))
@@ -207,9 +218,14 @@ def _clone(x):
 @pytest.mark.multiprocess
 def test_a_save_that_reads_tensors_after_returning_fails_the_bit_exact_check(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = runner.main(["--sizes", "1M", "--world-sizes", "2", "--reps", "1", "--no-limits",
-                      "--systems", "test_bench_smoke:EagerSystem,test_bench_smoke:LazySystem",
-                      "--json", str(out)])
+    # one flag and its value per line
+    # fmt: off
+    rc = runner.main([
+        "--sizes", "1M", "--world-sizes", "2", "--reps", "1", "--no-limits",
+        "--systems", "test_bench_smoke:EagerSystem,test_bench_smoke:LazySystem",
+        "--json", str(out),
+    ])
+    # fmt: on
     doc = json.loads(out.read_text())
     eager, lazy = doc["runs"]
     assert eager["errors"] == []
@@ -220,8 +236,7 @@ def test_a_save_that_reads_tensors_after_returning_fails_the_bit_exact_check(tmp
 
 def test_an_unimportable_system_is_skipped_with_a_line(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = runner.main(["--quick", "--no-limits", "--systems", "no_such_module:System",
-                      "--json", str(out)])
+    rc = runner.main(["--quick", "--no-limits", "--systems", "no_such_module:System", "--json", str(out)])
     assert rc == 0
     assert "skipping no_such_module:System" in capsys.readouterr().out
     doc = json.loads(out.read_text())
@@ -237,8 +252,9 @@ def test_an_unknown_system_name_is_rejected_with_the_choices():
 def test_quick_baseline_run_writes_json_with_metrics_limits_and_dedup(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     size = 16 * MIB
-    rc = runner.main(["--quick", "--sizes", "16M", "--systems", "baseline", "--json", str(out),
-                      "--plot", str(png)])
+    rc = runner.main(
+        ["--quick", "--sizes", "16M", "--systems", "baseline", "--json", str(out), "--plot", str(png)]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["patched_for_cpu"] and doc["rss_method"].startswith("VmHWM")

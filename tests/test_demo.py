@@ -14,10 +14,13 @@ STEPS, INTERVAL = 24, 6  # saves after steps 5, 11, 17; the failure comes after 
 
 def _demo(tmp_path, failure: str, mode: str = "embedded") -> dict:
     out = tmp_path / "result.json"
+    # one flag and its value per line
+    # fmt: off
     rc = orchestrator.main([
         "--steps", str(STEPS), "--interval", str(INTERVAL), "--failure", failure, "--mode", mode,
         "--json", str(out), "--plot", str(tmp_path / "loss.png"), "--workdir", str(tmp_path / "nodes"),
     ])
+    # fmt: on
     result = json.loads(out.read_text())
     assert rc == 0, result
     assert (tmp_path / "loss.png").stat().st_size > 0

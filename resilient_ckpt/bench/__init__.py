@@ -2,8 +2,9 @@
 
 ``resilient-ckpt bench`` runs :func:`resilient_ckpt.bench.runner.main`. Modules:
 :mod:`.workload` (the Megatron-like state dict), :mod:`.limits` (the machine's bandwidths),
-:mod:`.baseline` (the system we are measured against), :mod:`.runner` (processes, phases,
-the :class:`~.runner.System` interface), :mod:`.report` (tables, JSON, plot).
+:mod:`.baseline` (the system we are measured against), :mod:`.launcher` (rank processes,
+shared by the runner and the limits), :mod:`.runner` (phases, configurations, the
+:class:`~.runner.System` interface), :mod:`.report` (tables, JSON, plot).
 
 Nothing heavy is imported here: rank processes import only what their phase needs.
 """

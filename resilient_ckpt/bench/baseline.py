@@ -55,7 +55,8 @@ from nvidia_resiliency_ext.checkpointing.local.replication.strategies import (
 )
 
 from ..errors import CheckpointingException, ValidationError
-from .runner import RankContext, SaveHandle
+from .launcher import RankContext
+from .runner import SaveHandle
 
 PATCHED_FOR_CPU = (
     "torch.cuda.synchronize() -> no-op (nvrx LocalCheckpointManager.save and "
@@ -143,8 +144,7 @@ class BaselineSystem:
         repl = CliqueReplicationStrategy.from_replication_params(
             replication_jump=ctx.ranks_per_node, replication_factor=ctx.replication_factor
         )
-        self.manager = LocalCheckpointManager(ctx.store_root, session_id=ctx.session,
-                                              repl_strategy=repl)
+        self.manager = LocalCheckpointManager(ctx.store_root, session_id=ctx.session, repl_strategy=repl)
         self.queue = AsyncCallsQueue(persistent=False)
         self.cached_metadata: Optional[Any] = None
 
@@ -153,7 +153,9 @@ class BaselineSystem:
         ``LocalCheckpointManager.save(is_async=True)``; returns (request, saved bytes, details)."""
         t0 = time.perf_counter()
         tasd, self.cached_metadata = MCoreTensorAwareStateDict.from_state_dict(
-            state, algo="fully_parallel", parallelization_group=self.group,
+            state,
+            algo="fully_parallel",
+            parallelization_group=self.group,
             cached_metadata=self.cached_metadata,
         )
         saved = sum(t.nbytes for t in tasd.tensors)
@@ -167,8 +169,8 @@ class BaselineSystem:
         marks: Dict[str, float] = {}
         # first finalize step: the writer process has been joined (for the breakdown only)
         request = request._replace(
-            finalize_fns=[lambda: marks.setdefault("joined", time.perf_counter()),
-                          *request.finalize_fns])
+            finalize_fns=[lambda: marks.setdefault("joined", time.perf_counter()), *request.finalize_fns]
+        )
         t2 = time.perf_counter()
         self.queue.schedule_async_request(request)
         details["fork_writer_s"] = time.perf_counter() - t2
@@ -190,8 +192,7 @@ class BaselineSystem:
                 f"{self.manager.root_local_ckpt_dir}; was the save phase run?"
             )
         tasd, _ = self.manager.load()
-        return tasd.to_state_dict(template, algo="fully_parallel",
-                                  parallelization_group=self.group)
+        return tasd.to_state_dict(template, algo="fully_parallel", parallelization_group=self.group)
 
     def teardown(self) -> None:
         self.queue.close()

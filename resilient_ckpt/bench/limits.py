@@ -10,7 +10,7 @@
   of 64 MiB - what daemon-to-daemon replication can reach.
 
 All return bytes per second (medians over repetitions). The two transport measurements start
-their own processes with the bench launcher (:func:`resilient_ckpt.bench.runner.launch`).
+their own processes with the bench launcher (:func:`resilient_ckpt.bench.launcher.launch`).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def _zmq_rank(ctx, port: int, total: int, frame: int, reps: int) -> Optional[flo
 
 def gloo_p2p_bandwidth(total: int = 1 << 30, *, chunk: int = FRAME_BYTES, reps: int = 3) -> float:
     """Bytes/s of gloo send/recv of ``chunk``-byte tensors between 2 processes on loopback."""
-    from .runner import launch
+    from .launcher import launch
 
     _check_positive("total", total)
     _check_positive("chunk", chunk)
@@ -191,13 +191,16 @@ def gloo_p2p_bandwidth(total: int = 1 << 30, *, chunk: int = FRAME_BYTES, reps: 
 
 def zmq_bandwidth(total: int = 1 << 30, *, frame: int = FRAME_BYTES, reps: int = 3) -> float:
     """Bytes/s of ZeroMQ zero-copy multipart messages between 2 processes on loopback."""
-    from .runner import free_port, launch
+    from .launcher import free_port, launch
 
     _check_positive("total", total)
     _check_positive("frame", frame)
     with tempfile.TemporaryDirectory(prefix="rckpt-limits-") as root:
         out = launch(
-            _zmq_rank, 2, root, args=(free_port(), total, min(frame, total), reps),
+            _zmq_rank,
+            2,
+            root,
+            args=(free_port(), total, min(frame, total), reps),
             init_process_group=False,
         )
     return out[0]
@@ -229,8 +232,9 @@ class MachineLimits:
         return d
 
 
-def measure_limits(*, quick: bool = False, memcpy_bytes: Optional[int] = None,
-                   transport_bytes: Optional[int] = None) -> MachineLimits:
+def measure_limits(
+    *, quick: bool = False, memcpy_bytes: Optional[int] = None, transport_bytes: Optional[int] = None
+) -> MachineLimits:
     """All limits; ``quick`` uses small buffers (seconds instead of tens of seconds)."""
     mb = memcpy_bytes or ((64 << 20) if quick else (1 << 30))
     tb = transport_bytes or ((256 << 20) if quick else (1 << 30))

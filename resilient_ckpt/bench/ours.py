@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Dict
 
 from ..manager.checkpoint_manager import CheckpointManager
-from .runner import RankContext, SaveHandle
+from .launcher import RankContext
+from .runner import SaveHandle
 
 
 class EmbeddedSystem:

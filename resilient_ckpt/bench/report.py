@@ -40,8 +40,14 @@ LIMIT_FORMULAS = {
 }
 
 
-def limit_seconds(metric: str, bytes_per_rank: int, world_size: int, ranks_per_node: int,
-                  replication_factor: int, limits: Optional[Dict[str, float]]) -> Optional[float]:
+def limit_seconds(
+    metric: str,
+    bytes_per_rank: int,
+    world_size: int,
+    ranks_per_node: int,
+    replication_factor: int,
+    limits: Optional[Dict[str, float]],
+) -> Optional[float]:
     """The machine's lower bound for ``metric`` (see module docstring), None where none applies."""
     if not limits or metric not in LIMIT_FORMULAS:
         return None
@@ -80,24 +86,27 @@ def comparisons(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
         mine = [r for r in here if r["system"] != BASELINE] or [None]
         any_run = here[0]
         for metric in METRIC_LABELS:
-            lim = limit_seconds(metric, b, w, any_run["ranks_per_node"],
-                                any_run["replication_factor"], doc.get("limits"))
+            lim = limit_seconds(
+                metric, b, w, any_run["ranks_per_node"], any_run["replication_factor"], doc.get("limits")
+            )
             bl = _median(ref, metric) if ref is not None else None
             for r in mine:
                 ours = _median(r, metric) if r is not None else None
-                out.append({
-                    "metric": metric,
-                    "bytes_per_rank": b,
-                    "world_size": w,
-                    "system": None if r is None else r["system"],
-                    "ours": ours,
-                    "baseline": bl,
-                    "ratio": (ours / bl) if ours is not None and bl else None,
-                    "limit": lim,
-                    "limit_formula": LIMIT_FORMULAS.get(metric),
-                    "ratio_to_limit": (ours / lim) if ours is not None and lim else None,
-                    "baseline_ratio_to_limit": (bl / lim) if bl is not None and lim else None,
-                })
+                out.append(
+                    {
+                        "metric": metric,
+                        "bytes_per_rank": b,
+                        "world_size": w,
+                        "system": None if r is None else r["system"],
+                        "ours": ours,
+                        "baseline": bl,
+                        "ratio": (ours / bl) if ours is not None and bl else None,
+                        "limit": lim,
+                        "limit_formula": LIMIT_FORMULAS.get(metric),
+                        "ratio_to_limit": (ours / lim) if ours is not None and lim else None,
+                        "baseline_ratio_to_limit": (bl / lim) if bl is not None and lim else None,
+                    }
+                )
     return out
 
 
@@ -148,8 +157,10 @@ def render(doc: Dict[str, Any], con=None) -> None:
     for w in sorted({r["world_size"] for r in runs}):
         sizes = sorted({r["bytes_per_rank"] for r in runs if r["world_size"] == w})
         rpn = next(r["ranks_per_node"] for r in runs if r["world_size"] == w)
-        t = Table(title=f"W={w} ranks, {rpn} per node, replication factor "
-                        f"{runs[0]['replication_factor']} (medians over reps)")
+        t = Table(
+            title=f"W={w} ranks, {rpn} per node, replication factor "
+            f"{runs[0]['replication_factor']} (medians over reps)"
+        )
         t.add_column("metric")
         t.add_column("B/rank", justify="right")
         for s in systems:
@@ -162,11 +173,11 @@ def render(doc: Dict[str, Any], con=None) -> None:
         for metric, label in METRIC_LABELS.items():
             for b in sizes:
                 row = [label, format_size(b)]
-                vals = {s: (_median(by_key[(s, b, w)], metric) if (s, b, w) in by_key else None)
-                        for s in systems}
+                vals = {
+                    s: (_median(by_key[(s, b, w)], metric) if (s, b, w) in by_key else None) for s in systems
+                }
                 row += [_fmt(metric, vals[s]) for s in systems]
-                lim = limit_seconds(metric, b, w, rpn, runs[0]["replication_factor"],
-                                    doc.get("limits"))
+                lim = limit_seconds(metric, b, w, rpn, runs[0]["replication_factor"], doc.get("limits"))
                 for s in others:
                     if BASELINE in systems:
                         bl = vals[BASELINE]
@@ -179,16 +190,17 @@ def render(doc: Dict[str, Any], con=None) -> None:
         con.print(format_limits(doc["limits"]), markup=False, highlight=False)
     con.print(f"peak RSS: {doc['rss_method']}", markup=False, highlight=False)
     if doc.get("patched_for_cpu"):
-        con.print("patched for CPU: " + "; ".join(doc["patched_for_cpu"]), markup=False,
-                  highlight=False)
+        con.print("patched for CPU: " + "; ".join(doc["patched_for_cpu"]), markup=False, highlight=False)
     for s in doc.get("skipped", []):
-        where = (f" {format_size(s['bytes_per_rank'])} W={s['world_size']}"
-                 if "bytes_per_rank" in s else "")
+        where = f" {format_size(s['bytes_per_rank'])} W={s['world_size']}" if "bytes_per_rank" in s else ""
         con.print(f"skipped {s['system']}{where}: {s['reason']}", markup=False, highlight=False)
     for r in runs:
         for e in r["errors"]:
-            con.print(f"ERROR {r['system']} {format_size(r['bytes_per_rank'])} "
-                      f"W={r['world_size']}: {e}", markup=False, highlight=False)
+            con.print(
+                f"ERROR {r['system']} {format_size(r['bytes_per_rank'])} W={r['world_size']}: {e}",
+                markup=False,
+                highlight=False,
+            )
 
 
 # --- files ---------------------------------------------------------------------------------
@@ -221,23 +233,41 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     for ax, w in zip(axes[0], worlds):
         sizes = sorted({r["bytes_per_rank"] for r in runs if r["world_size"] == w})
         for si, s in enumerate(systems):
-            rs = sorted((r for r in runs if r["system"] == s and r["world_size"] == w),
-                        key=lambda r: r["bytes_per_rank"])
+            rs = sorted(
+                (r for r in runs if r["system"] == s and r["world_size"] == w),
+                key=lambda r: r["bytes_per_rank"],
+            )
             for metric in TIME_METRICS:
                 pts = [(r["bytes_per_rank"] / (1 << 20), _median(r, metric)) for r in rs]
                 pts = [(x, y) for x, y in pts if y is not None]
                 if pts:
-                    ax.plot(*zip(*pts), marker=markers[si % len(markers)],
-                            linestyle="-" if s != BASELINE else ":", color=colors[metric],
-                            label=f"{s}: {METRIC_LABELS[metric]}")
+                    ax.plot(
+                        *zip(*pts),
+                        marker=markers[si % len(markers)],
+                        linestyle="-" if s != BASELINE else ":",
+                        color=colors[metric],
+                        label=f"{s}: {METRIC_LABELS[metric]}",
+                    )
         rs = [r for r in runs if r["world_size"] == w]
         if doc.get("limits") and rs:
             for metric in TIME_METRICS:
-                pts = [(b / (1 << 20), limit_seconds(metric, b, w, rs[0]["ranks_per_node"],
-                                                     rs[0]["replication_factor"], doc["limits"]))
-                       for b in sizes]
-                ax.plot(*zip(*pts), linestyle="--", linewidth=1, color=colors[metric], alpha=0.6,
-                        label=f"limit: {METRIC_LABELS[metric]}")
+                pts = [
+                    (
+                        b / (1 << 20),
+                        limit_seconds(
+                            metric, b, w, rs[0]["ranks_per_node"], rs[0]["replication_factor"], doc["limits"]
+                        ),
+                    )
+                    for b in sizes
+                ]
+                ax.plot(
+                    *zip(*pts),
+                    linestyle="--",
+                    linewidth=1,
+                    color=colors[metric],
+                    alpha=0.6,
+                    label=f"limit: {METRIC_LABELS[metric]}",
+                )
         if sizes:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

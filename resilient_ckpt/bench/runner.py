@@ -31,25 +31,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import multiprocessing as mp
 import os
-import queue as queue_mod
-import re
 import resource
 import shutil
-import socket
 import statistics
 import tempfile
-import threading
 import time
-import traceback
-import warnings
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
+from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ..errors import CheckpointingException, ValidationError
+from ..errors import ValidationError
+
+# RankContext and node_store_root are part of the System interface, so named here too.
+from .launcher import RankContext, launch, mp_context, node_store_root, quiet
 from .workload import expected_saved_bytes, format_size, parse_size
 
 #: Built-in systems: name -> "module:Class". ``resilient_ckpt.bench.ours`` is the lead's.
@@ -70,58 +65,9 @@ RSS_METHOD = (
 )
 FIRST_ITERATION = 100
 ITERATION = 200
-_NOISE = (
-    "The pynvml package is deprecated",
-    "Transformer Engine and Apex are not installed",
-    "The TemporalAsyncCaller will be deprecated",
-    "`_get_pg_default_device` will be deprecated",
-    "Multiple backends are registered with this ProcessGroup",
-)
 
 
 # --- what systems see ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankContext:
-    """A rank's identity and its node's store root, as a system's ``setup`` receives it."""
-
-    rank: int
-    world_size: int
-    ranks_per_node: int
-    tmp_root: str
-    session: str = "bench"
-    replication_factor: int = 2
-    phase: str = "save"  # "save" | "restore"
-    services: Any = None  # NodeServices.info of the system's per-node services, if any
-
-    @property
-    def node(self) -> int:
-        return self.rank // self.ranks_per_node
-
-    @property
-    def local_rank(self) -> int:
-        return self.rank % self.ranks_per_node
-
-    @property
-    def num_nodes(self) -> int:
-        return -(-self.world_size // self.ranks_per_node)
-
-    @property
-    def store_root(self) -> str:
-        """This node's store directory: all node-local state of a system must live below it."""
-        return node_store_root(self.tmp_root, self.node)
-
-    @property
-    def dp_group(self):
-        """The data-parallel (fully parallel save/load) group: every rank."""
-        import torch.distributed as dist
-
-        return dist.group.WORLD
-
-
-def node_store_root(tmp_root: str, node: int) -> str:
-    return str(Path(tmp_root) / f"node{node}")
 
 
 @dataclass(frozen=True)
@@ -225,158 +171,7 @@ def resolve_system(name: str) -> str:
         return SYSTEMS[name]
     if ":" in name:
         return name
-    raise ValidationError(
-        f"unknown system {name!r}: use {', '.join(SYSTEMS)} or module:Class"
-    )
-
-
-# --- launcher --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# resilient_ckpt first: it silences torch's pynvml warning before torch is imported. The
-# baseline (megatron-core, ~3 s to import) is preloaded for every system alike, so all rank
-# processes start from the same resident pages and RSS figures compare fairly.
-_PRELOAD = ["resilient_ckpt", "torch", "torch.distributed", "numpy",
-            "resilient_ckpt.bench.workload", "resilient_ckpt.bench.baseline"]
-
-
-def _mp_context(preload: Sequence[str] = ()):
-    ctx = mp.get_context("forkserver")
-    # Only effective before the fork server starts (the first launch): heavy imports such as
-    # megatron-core (~3 s) then happen once, not in every rank of every phase.
-    ctx.set_forkserver_preload(list(dict.fromkeys(_PRELOAD + list(preload))))
-    return ctx
-
-
-def _quiet() -> None:
-    for msg in _NOISE:
-        warnings.filterwarnings("ignore", message=f".*{re.escape(msg)}")
-    import logging
-
-    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.ERROR)
-
-
-def _entry(fn, ctx: RankContext, port: int, args, result_q, hold: bool, init_pg: bool,
-           pg_timeout_s: float) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(ctx.rank),
-        WORLD_SIZE=str(ctx.world_size),
-        LOCAL_RANK=str(ctx.local_rank),
-        LOCAL_WORLD_SIZE=str(ctx.ranks_per_node),
-        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-    )
-    _quiet()
-    import torch
-    import torch.distributed as dist
-
-    # W ranks share this machine's cores: one intra-op thread each, as one rank per GPU would.
-    torch.set_num_threads(1)
-    try:
-        if init_pg:
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ctx.rank,
-                world_size=ctx.world_size, timeout=timedelta(seconds=pg_timeout_s),
-            )
-        result_q.put((ctx.rank, "ok", fn(ctx, *args)))
-    except BaseException as e:  # the parent decides; it kills every rank on any error
-        result_q.put((ctx.rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    if hold:
-        # Wait for SIGKILL: the phase ends the way a crash ends a job, with nothing cleaned up.
-        threading.Event().wait()
-    if init_pg and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
-def launch(
-    fn: Callable[..., Any],
-    world_size: int,
-    tmp_root: str,
-    *,
-    ranks_per_node: Optional[int] = None,
-    args: Sequence[Any] = (),
-    hold: bool = False,
-    init_process_group: bool = True,
-    timeout: float = 300.0,
-    session: str = "bench",
-    replication_factor: int = 2,
-    phase: str = "save",
-    services: Any = None,
-    preload: Sequence[str] = (),
-) -> List[Any]:
-    """Run ``fn(ctx, *args)`` in ``world_size`` fresh processes; results in rank order.
-
-    With ``hold`` every rank waits after reporting and is then SIGKILLed (all of them, only
-    after all reported). Any rank error, unexpected death or timeout kills all ranks and
-    raises :class:`CheckpointingException` with the rank's traceback.
-    """
-    if world_size < 1:
-        raise ValidationError(f"world_size={world_size}: pass at least 1 rank")
-    rpn = ranks_per_node or world_size
-    ctx_mp = _mp_context(preload)
-    port = free_port()
-    q = ctx_mp.Queue()
-    procs = []
-    for r in range(world_size):
-        ctx = RankContext(r, world_size, rpn, str(tmp_root), session, replication_factor, phase,
-                          services)
-        p = ctx_mp.Process(
-            target=_entry, args=(fn, ctx, port, tuple(args), q, hold, init_process_group,
-                                 max(timeout, 60.0)),
-            # not daemonic: systems may fork writers (nvrx does); launch() always reaps them
-            daemon=False, name=f"bench-rank{r}",
-        )
-        p.start()
-        procs.append(p)
-
-    def kill_all() -> None:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=30)
-
-    results: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world_size:
-            try:
-                rank, status, payload = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                if dead:
-                    raise CheckpointingException(
-                        f"bench rank(s) {dead} died without a result (exit codes "
-                        f"{[procs[r].exitcode for r in dead]}); out of memory? Try smaller --sizes"
-                    )
-                if time.monotonic() > deadline:
-                    raise CheckpointingException(
-                        f"bench phase timed out after {timeout:.0f}s; ranks without a result: "
-                        f"{sorted(set(range(world_size)) - set(results))}"
-                    )
-                continue
-            if status != "ok":
-                raise CheckpointingException(f"bench rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        if hold or len(results) < world_size:
-            kill_all()
-        else:
-            for p in procs:
-                p.join(timeout=30)
-            kill_all()
-        q.close()
-    return [results[r] for r in range(world_size)]
+    raise ValidationError(f"unknown system {name!r}: use {', '.join(SYSTEMS)} or module:Class")
 
 
 # --- measurements inside ranks -----------------------------------------------------------------
@@ -434,8 +229,14 @@ def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     from .workload import Workload
 
     cls = load_system(spec.system)
-    wl = Workload(spec.bytes_per_rank, ctx.world_size, ctx.rank, flavour=cls.flavour,
-                  seed=spec.seed, iteration=FIRST_ITERATION)
+    wl = Workload(
+        spec.bytes_per_rank,
+        ctx.world_size,
+        ctx.rank,
+        flavour=cls.flavour,
+        seed=spec.seed,
+        iteration=FIRST_ITERATION,
+    )
     system = cls()
     system.setup(ctx)
     out: Dict[str, Any] = {}
@@ -474,8 +275,9 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     from .workload import Workload, layout, verify
 
     cls = load_system(spec.system)
-    tmpl = Workload(spec.bytes_per_rank, ctx.world_size, ctx.rank, flavour=cls.flavour,
-                    seed=spec.seed, fill="zeros")
+    tmpl = Workload(
+        spec.bytes_per_rank, ctx.world_size, ctx.rank, flavour=cls.flavour, seed=spec.seed, fill="zeros"
+    )
     template = tmpl.sharded_state_dict()
     system = cls()
     system.setup(ctx)
@@ -492,8 +294,13 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     )
     del restored
     system.teardown()
-    return {"restore_s": t1 - t0, "peak_rss_bytes": peak, "rss_reset": rss_reset,
-            "rss_at_start_bytes": rss_start, "problems": problems}
+    return {
+        "restore_s": t1 - t0,
+        "peak_rss_bytes": peak,
+        "rss_reset": rss_reset,
+        "rss_at_start_bytes": rss_start,
+        "problems": problems,
+    }
 
 
 # --- one configuration -------------------------------------------------------------------------
@@ -558,11 +365,22 @@ def run_config(
     gib = bytes_per_rank / (1 << 30)
     timeout = 300.0 + 240.0 * gib * world_size
     preload = [spec_str.partition(":")[0]]
-    per_rep: Dict[str, List[Any]] = {k: [] for k in (
-        *TIME_METRICS, *RSS_METRICS, "first_stall_s", "first_durable_s", "saved_bytes",
-        "store_bytes_per_rank", "writer_child_peak_rss_bytes", "peak_rss_restore_restart_bytes",
-        "peak_rss_restore_node_loss_bytes", "rss_at_start_save_bytes",
-        "rss_at_start_restore_bytes")}
+    per_rep: Dict[str, List[Any]] = {
+        k: []
+        for k in (
+            *TIME_METRICS,
+            *RSS_METRICS,
+            "first_stall_s",
+            "first_durable_s",
+            "saved_bytes",
+            "store_bytes_per_rank",
+            "writer_child_peak_rss_bytes",
+            "peak_rss_restore_restart_bytes",
+            "peak_rss_restore_node_loss_bytes",
+            "rss_at_start_save_bytes",
+            "rss_at_start_restore_bytes",
+        )
+    }
     errors: List[str] = []
     rss_reset_ok = True
     for rep in range(reps):
@@ -575,18 +393,29 @@ def run_config(
                 os.makedirs(cluster.store_root(n), exist_ok=True)
             if hasattr(cls, "start_nodes"):
                 services = cls.start_nodes(cluster)
-            common = dict(ranks_per_node=ranks_per_node, session=session,
-                          replication_factor=replication_factor, timeout=timeout,
-                          preload=preload, hold=True)
-            saves = launch(_save_phase, world_size, root, args=(spec,), phase="save",
-                           services=getattr(services, "info", None), **common)
+            common = dict(
+                ranks_per_node=ranks_per_node,
+                session=session,
+                replication_factor=replication_factor,
+                timeout=timeout,
+                preload=preload,
+                hold=True,
+            )
+            saves = launch(
+                _save_phase,
+                world_size,
+                root,
+                args=(spec,),
+                phase="save",
+                services=getattr(services, "info", None),
+                **common,
+            )
             per_rep["stall_s"].append(max(r["steady_stall_s"] for r in saves))
             per_rep["durable_s"].append(max(r["steady_durable_s"] for r in saves))
             per_rep["first_stall_s"].append(max(r["first_stall_s"] for r in saves))
             per_rep["first_durable_s"].append(max(r["first_durable_s"] for r in saves))
             per_rep["peak_rss_save_bytes"].append(max(r["peak_rss_save_bytes"] for r in saves))
-            per_rep["rss_at_start_save_bytes"].append(_max_or_none(
-                [r["rss_at_start_bytes"] for r in saves]))
+            per_rep["rss_at_start_save_bytes"].append(_max_or_none([r["rss_at_start_bytes"] for r in saves]))
             sb = [r["saved_bytes"] for r in saves]
             per_rep["saved_bytes"].append(None if None in sb else max(sb))
             wc = [r["writer_child_peak_rss_bytes"] for r in saves if r["writer_child_peak_rss_bytes"]]
@@ -594,16 +423,23 @@ def run_config(
             per_rep["store_bytes_per_rank"].append(_dir_bytes(root) / world_size)
             for k in sorted({k for r in saves for k in r["details"]}):
                 per_rep.setdefault(f"detail_{k}", [None] * rep).append(
-                    _max_or_none([r["details"].get(k) for r in saves]))
+                    _max_or_none([r["details"].get(k) for r in saves])
+                )
             rss_reset_ok &= all(r["rss_reset"] for r in saves)
 
             peaks, starts = [], []
-            for case, metric in (("restart", "restore_restart_s"),
-                                 ("node_loss", "restore_node_loss_s")):
+            for case, metric in (("restart", "restore_restart_s"), ("node_loss", "restore_node_loss_s")):
                 if case == "node_loss":
                     lose_node(cluster, services, 0)
-                res = launch(_restore_phase, world_size, root, args=(spec,), phase="restore",
-                             services=getattr(services, "info", None), **common)
+                res = launch(
+                    _restore_phase,
+                    world_size,
+                    root,
+                    args=(spec,),
+                    phase="restore",
+                    services=getattr(services, "info", None),
+                    **common,
+                )
                 per_rep[metric].append(max(r["restore_s"] for r in res))
                 peak = max(r["peak_rss_bytes"] for r in res)
                 per_rep[f"peak_rss_restore_{case}_bytes"].append(peak)
@@ -612,19 +448,24 @@ def run_config(
                 rss_reset_ok &= all(r["rss_reset"] for r in res)
                 for rank, r in enumerate(res):
                     if r["problems"]:
-                        errors.append(f"rep {rep} {case}: rank {rank} restore is not bit-exact: "
-                                      + "; ".join(r["problems"]))
+                        errors.append(
+                            f"rep {rep} {case}: rank {rank} restore is not bit-exact: "
+                            + "; ".join(r["problems"])
+                        )
             per_rep["peak_rss_restore_bytes"].append(max(peaks))
             per_rep["rss_at_start_restore_bytes"].append(_max_or_none(starts))
-            log(f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}/{reps}: "
+            log(
+                f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}/{reps}: "
                 f"stall {per_rep['stall_s'][-1]:.3f}s durable {per_rep['durable_s'][-1]:.3f}s "
                 f"restart {per_rep['restore_restart_s'][-1]:.3f}s node-loss "
-                f"{per_rep['restore_node_loss_s'][-1]:.3f}s"
-                + ("" if not errors else "  [NOT BIT-EXACT]"))
+                f"{per_rep['restore_node_loss_s'][-1]:.3f}s" + ("" if not errors else "  [NOT BIT-EXACT]")
+            )
         except Exception as e:  # one configuration failing must not lose the others' figures
             errors.append(f"rep {rep}: {type(e).__name__}: {e}")
-            log(f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}: FAILED "
-                f"{str(e).splitlines()[0]}")
+            log(
+                f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}: FAILED "
+                f"{str(e).splitlines()[0]}"
+            )
             break
         finally:
             if services is not None:
@@ -663,7 +504,8 @@ def _ints(text: str) -> List[int]:
         vals = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers (e.g. 2,4)") from None
+            f"{text!r} is not a comma-separated list of integers (e.g. 2,4)"
+        ) from None
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 2,4")
     return vals
@@ -673,22 +515,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="resilient-ckpt bench",
         description="Benchmark resilient_ckpt against Megatron-core + nvidia-resiliency-ext "
-                    "local checkpoints on a Megatron-like workload, with the machine's limits.",
+        "local checkpoints on a Megatron-like workload, with the machine's limits.",
     )
-    p.add_argument("--sizes", type=_sizes, help="bytes per rank, e.g. 64M,256M,1G,2G "
-                   "(default: that list; --quick: 64M)")
+    p.add_argument(
+        "--sizes", type=_sizes, help="bytes per rank, e.g. 64M,256M,1G,2G (default: that list; --quick: 64M)"
+    )
     p.add_argument("--world-sizes", type=_ints, help="ranks, e.g. 2,4 (default 2,4; --quick: 2)")
     p.add_argument("--reps", type=int, help="repetitions per configuration (default 3; --quick: 1)")
-    p.add_argument("--systems", default="baseline,ours-embedded,ours-service",
-                   help=f"comma-separated: {', '.join(SYSTEMS)} or module:Class")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per simulated node (default: W/2, i.e. two nodes)")
+    p.add_argument(
+        "--systems",
+        default="baseline,ours-embedded,ours-service",
+        help=f"comma-separated: {', '.join(SYSTEMS)} or module:Class",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per simulated node (default: W/2, i.e. two nodes)",
+    )
     p.add_argument("--replication-factor", type=int, default=2)
-    p.add_argument("--warmup-saves", type=int, default=3,
-                   help="saves before the timed one, identical for every system (default 3: "
-                        "steady state once retention recycles buffers)")
-    p.add_argument("--quick", action="store_true",
-                   help="small and fast (< 2 min): 64M, W=2, 1 rep, small limit buffers")
+    p.add_argument(
+        "--warmup-saves",
+        type=int,
+        default=3,
+        help="saves before the timed one, identical for every system (default 3: "
+        "steady state once retention recycles buffers)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="small and fast (< 2 min): 64M, W=2, 1 rep, small limit buffers"
+    )
     p.add_argument("--no-limits", action="store_true", help="skip measuring the machine's limits")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: seconds vs size")
@@ -732,8 +587,11 @@ def _cpu_pressure() -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``resilient-ckpt bench``; returns 0 when every configuration ran and restored exactly."""
-    _quiet()
+    from ..cli import extras
+
+    quiet()
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    extras.require("bench")
     sizes = args.sizes or ([64 << 20] if args.quick else [s << 20 for s in (64, 256, 1024, 2048)])
     world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
     reps = args.reps or (1 if args.quick else 3)
@@ -745,6 +603,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def log(msg: str) -> None:
         console.print(msg, markup=False, highlight=False, soft_wrap=True)
+
     t_start = time.monotonic()
     systems: List[Tuple[str, str, type]] = []
     skipped: List[Dict[str, Any]] = []
@@ -760,7 +619,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         systems.append((name, spec, cls))
 
     # One fork server for the whole run, with every system's module preloaded (first use wins).
-    _mp_context([spec.partition(":")[0] for _, spec, _ in systems])
+    mp_context([spec.partition(":")[0] for _, spec, _ in systems])
     load_before, cpu_pressure_before = os.getloadavg(), _cpu_pressure()
     limits = None
     if not args.no_limits:
@@ -782,17 +641,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 need = est(b, w) if est else 4 * b * w
                 avail = psutil.virtual_memory().available
                 if need > 0.9 * avail:
-                    reason = (f"needs ~{format_size(need)}B of host memory, "
-                              f"{format_size(avail)}B available")
+                    reason = f"needs ~{format_size(need)}B of host memory, {format_size(avail)}B available"
                     log(f"skipping {name} {format_size(b)} W={w}: {reason}")
-                    skipped.append({"system": name, "bytes_per_rank": b, "world_size": w,
-                                    "reason": reason})
+                    skipped.append({"system": name, "bytes_per_rank": b, "world_size": w, "reason": reason})
                     continue
                 patched += [p for p in getattr(cls, "patched_for_cpu", ()) if p not in patched]
-                runs.append(run_config(name, spec, cls, b, w, reps=reps, ranks_per_node=rpn,
-                                       replication_factor=args.replication_factor,
-                                       shm_dir=args.shm_dir, log=log,
-                                       warmup_saves=args.warmup_saves))
+                runs.append(
+                    run_config(
+                        name,
+                        spec,
+                        cls,
+                        b,
+                        w,
+                        reps=reps,
+                        ranks_per_node=rpn,
+                        replication_factor=args.replication_factor,
+                        shm_dir=args.shm_dir,
+                        log=log,
+                        warmup_saves=args.warmup_saves,
+                    )
+                )
     doc = {
         "schema": "resilient_ckpt.bench/1",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -802,8 +670,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "loadavg": {"start": list(load_before), "end": list(os.getloadavg())},
         "cpu_pressure": {"start": cpu_pressure_before, "end": _cpu_pressure()},
         "config": {
-            "sizes": sizes, "world_sizes": world_sizes, "reps": reps,
-            "systems": [s[0] for s in systems], "quick": args.quick,
+            "sizes": sizes,
+            "world_sizes": world_sizes,
+            "reps": reps,
+            "systems": [s[0] for s in systems],
+            "quick": args.quick,
             "replication_factor": args.replication_factor,
             "ranks_per_node": args.ranks_per_node or "W/2",
             "warmup_saves": args.warmup_saves,
@@ -824,4 +695,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report.plot(doc, args.plot)
         log(f"wrote {args.plot}")
     return 1 if any(r["errors"] for r in runs) else 0
-

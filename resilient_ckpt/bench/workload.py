@@ -145,9 +145,7 @@ def _check_args(bytes_per_rank: int, world_size: int, rank: int, dp_size: int) -
             f"{_MIN_BYTES} (e.g. 64M)"
         )
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValidationError(
-            f"rank {rank} is outside world size {world_size}: pass 0 <= rank < world_size"
-        )
+        raise ValidationError(f"rank {rank} is outside world size {world_size}: pass 0 <= rank < world_size")
     if dp_size < 1 or world_size % dp_size:
         raise ValidationError(
             f"dp_size={dp_size} does not divide world_size={world_size}: the remaining factor "
@@ -211,7 +209,13 @@ def layout(
         offsets = ((0, tp_rank, tp),) if tp > 1 else ()
         specs.append(
             TensorSpec(
-                ("model", name), name, torch.bfloat16, shape, offsets, dp_rank, True,
+                ("model", name),
+                name,
+                torch.bfloat16,
+                shape,
+                offsets,
+                dp_rank,
+                True,
                 f"param/{name}/tp{tp_rank}",
             )
         )
@@ -223,8 +227,14 @@ def layout(
             key = f"optimizer.state.{kind}.{name}"
             specs.append(
                 TensorSpec(
-                    ("optimizer", "state", kind, name), key, torch.float32, local,
-                    ((0, rank, world_size),), 0, False, f"state/{key}/r{rank}",
+                    ("optimizer", "state", kind, name),
+                    key,
+                    torch.float32,
+                    local,
+                    ((0, rank, world_size),),
+                    0,
+                    False,
+                    f"state/{key}/r{rank}",
                 )
             )
     lay = Layout(bytes_per_rank, world_size, rank, dp, seed, h, num_layers, vocab, tuple(specs))
@@ -410,7 +420,12 @@ def build(
     """The sharded state dict of ``rank``: resilient_ckpt.model.mapping objects (``flavour="ours"``)
     or megatron-core's (``"mcore"``), same layout and content either way."""
     return Workload(
-        bytes_per_rank, world_size, rank, flavour=flavour, dp_size=dp_size, seed=seed,
+        bytes_per_rank,
+        world_size,
+        rank,
+        flavour=flavour,
+        dp_size=dp_size,
+        seed=seed,
         iteration=iteration,
     ).sharded_state_dict()
 
@@ -425,22 +440,23 @@ def _same(a: Any, b: Any) -> bool:
         return (
             a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                            b.contiguous().view(-1).view(torch.uint8))
+            and torch.equal(
+                a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+            )
         )
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
-            isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-            and a.dtype == b.dtype and np.array_equal(a, b)
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and np.array_equal(a, b)
         )
     if isinstance(a, argparse.Namespace) or isinstance(b, argparse.Namespace):
         return type(a) is type(b) and _same(vars(a), vars(b))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return (
-            type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-        )
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 
@@ -475,10 +491,7 @@ def verify(restored: Any, lay: Layout, iteration: int, *, limit: int = 5) -> Lis
             continue
         want = expected_tensor(lay, spec, iteration)
         if not _same(got, want):
-            desc = (
-                f"{type(got).__name__} {getattr(got, 'dtype', '')} "
-                f"{tuple(getattr(got, 'shape', ()))}"
-            )
+            desc = f"{type(got).__name__} {getattr(got, 'dtype', '')} {tuple(getattr(got, 'shape', ()))}"
             if bad(f"tensor {'/'.join(spec.path)} differs (got {desc})"):
                 return problems
     expected_rest = {"rng_state": _rank_object(lay), **_common(lay, iteration)}

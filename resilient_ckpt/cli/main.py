@@ -7,14 +7,19 @@ import sys
 import warnings
 from typing import List, Optional
 
+from . import extras
+
 
 def _demo(argv: List[str]) -> int:
+    # Checked before importing the tool: one line at once instead of a traceback later.
+    extras.require("demo")
     from ..demo import orchestrator
 
     return orchestrator.main(argv)
 
 
 def _bench(argv: List[str]) -> int:
+    extras.require("bench")
     from ..bench import runner
 
     return runner.main(argv) or 0
@@ -81,7 +86,10 @@ COMMANDS = {
     "status": (_status, "a node daemon's health: store usage, peers, in-flight replications, rejects"),
     "ls": (_ls, "list the checkpoints a node holds (from its daemon or directly from its store)"),
     "drop": (_drop, "retire checkpoints of a session from a node (asks first unless --yes)"),
-    "pull": (_pull, "have a node's daemon pull checkpoints from its peers (a replacement node), with progress"),
+    "pull": (
+        _pull,
+        "have a node's daemon pull checkpoints from its peers (a replacement node), with progress",
+    ),
     "secret": (_secret, "write a new job secret file (mode 0600) for daemons and trainers"),
     "export": (_export, "write an in-memory iteration to a torch.distributed.checkpoint directory"),
     "inspect": (_inspect, "keys, shapes, dtypes, sizes and iteration of a DCP checkpoint directory"),
@@ -95,7 +103,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        p = argparse.ArgumentParser(prog="resilient-ckpt", description="In-memory local checkpoints for PyTorch")
+        p = argparse.ArgumentParser(
+            prog="resilient-ckpt", description="In-memory local checkpoints for PyTorch"
+        )
         sub = p.add_subparsers(dest="command", metavar="command")
         for name, (_, help_) in COMMANDS.items():
             sub.add_parser(name, help=help_, add_help=False)

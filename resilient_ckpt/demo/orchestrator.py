@@ -102,6 +102,8 @@ class Demo:
                 GLOO_SOCKET_IFNAME="lo",
                 OMP_NUM_THREADS="1",
             )
+            # one flag and its value per line
+            # fmt: off
             argv = [
                 "--steps", str(self.args.steps),
                 "--interval", str(self.args.interval),
@@ -111,6 +113,7 @@ class Demo:
                 "--mode", self.args.mode,
                 "--timeout", "20",
             ]
+            # fmt: on
             if self.args.mode == "service":
                 argv += ["--endpoint", self.daemons.endpoint(node, run)]
                 env.update(self.daemons.env(run))
@@ -121,7 +124,9 @@ class Demo:
             p.start()
             launch.procs.append(p)
             launch.controls.append(control)
-        threading.Thread(target=self._reader, args=(launch, events), daemon=True, name=f"demo-{name}-events").start()
+        threading.Thread(
+            target=self._reader, args=(launch, events), daemon=True, name=f"demo-{name}-events"
+        ).start()
         return launch
 
     @staticmethod
@@ -233,7 +238,9 @@ class Demo:
             for e in sorted(restored, key=lambda e: e["rank"])
         ]
         self.victims = victims
-        return self.report(ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s)
+        return self.report(
+            ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s
+        )
 
     def victim_ranks(self) -> List[int]:
         a = self.args
@@ -266,7 +273,9 @@ class Demo:
 
     # ---- verdict -------------------------------------------------------------------------------------
 
-    def report(self, ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s) -> int:
+    def report(
+        self, ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s
+    ) -> int:
         a = self.args
         ref_done = {e["rank"]: e["digest"] for e in ref.events if e["event"] == "done"}
         run_done = {e["rank"]: e["digest"] for e in run2.events if e["event"] == "done"}
@@ -287,7 +296,9 @@ class Demo:
             f"(at {step_s * 1000:.0f} ms/step)"
         )
         print(f" loss curve identical to the uninterrupted run: {'YES (bit-exact)' if same_losses else 'NO'}")
-        print(f" final parameters identical (sha256 per rank):   {'YES (bit-exact)' if same_params else 'NO'}")
+        print(
+            f" final parameters identical (sha256 per rank):   {'YES (bit-exact)' if same_params else 'NO'}"
+        )
         if diverged:
             print(f" first differing step: {diverged[0]}")
         print("=" * 78)
@@ -325,10 +336,16 @@ def _mp_context():
         # resilient_ckpt first: it filters torch's pynvml warning before torch is imported.
         # torch._inductor.config is what torch.use_deterministic_algorithms() imports (~1.2 s of
         # CPU per rank, ~3 s per launch of 4 ranks on 2 cores when paid after the fork).
-        _CTX.set_forkserver_preload([
-            "resilient_ckpt", "torch", "torch.distributed", "torch._inductor.config",
-            "resilient_ckpt.demo.worker", "resilient_ckpt.manager.hooks",
-        ])
+        _CTX.set_forkserver_preload(
+            [
+                "resilient_ckpt",
+                "torch",
+                "torch.distributed",
+                "torch._inductor.config",
+                "resilient_ckpt.demo.worker",
+                "resilient_ckpt.manager.hooks",
+            ]
+        )
     return _CTX
 
 
@@ -384,7 +401,9 @@ def _plot(path: Path, ref: Dict[int, float], run: Dict[int, float], failed_at: i
 
 
 def _shm_or_tmp() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    )
 
 
 def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -394,19 +413,27 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--interval", type=int, default=10, help="save every N steps")
     p.add_argument("--failure", choices=["node", "rank", "daemon"], default="node")
-    p.add_argument("--fail-step", type=int, default=None, help="failure right after this step (default 2/3 of --steps)")
+    p.add_argument(
+        "--fail-step", type=int, default=None, help="failure right after this step (default 2/3 of --steps)"
+    )
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="PNG path (default ./demo_loss.png)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
-    p.add_argument("--workdir", default=None,
-                   help="where node stores live: a fresh directory is made inside (default /dev/shm)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where node stores live: a fresh directory is made inside (default /dev/shm)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the node stores after the demo")
     return p
 
 
 def main(argv=None) -> int:
+    from ..cli import extras
+
     args = build_parser().parse_args(argv)
+    extras.require("demo")  # the loss plot, at the very end: fail before training instead
     if args.fail_step is None:
         args.fail_step = (2 * args.steps) // 3 + args.interval // 2
     if args.failure == "daemon" and args.mode != "service":

@@ -60,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--session", default=os.environ.get("TORCHELASTIC_RUN_ID", "demo"))
-    p.add_argument("--store-root", default=os.environ.get("RESILIENT_CKPT_STORE_ROOT", "/dev/shm/resilient_ckpt"))
+    p.add_argument(
+        "--store-root", default=os.environ.get("RESILIENT_CKPT_STORE_ROOT", "/dev/shm/resilient_ckpt")
+    )
     p.add_argument("--replication-factor", type=int, default=2)
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
     p.add_argument("--endpoint", default=os.environ.get("RESILIENT_CKPT_ENDPOINT"))
@@ -137,9 +139,17 @@ def run(args: argparse.Namespace, emit, pause) -> int:
     t0 = time.time()
     start = hook.restore()
     if hook.restored_from:
-        emit(event="restored", rank=rank, step=start, seconds=time.time() - t0, **{
-            k: v for k, v in hook.restored_from.items() if k in ("source", "source_rank", "iteration", "total_s")
-        })
+        emit(
+            event="restored",
+            rank=rank,
+            step=start,
+            seconds=time.time() - t0,
+            **{
+                k: v
+                for k, v in hook.restored_from.items()
+                if k in ("source", "source_rank", "iteration", "total_s")
+            },
+        )
     else:
         emit(event="fresh_start", rank=rank, seconds=time.time() - t0)
 
@@ -179,8 +189,13 @@ def run(args: argparse.Namespace, emit, pause) -> int:
             pause()
             return 3
     hook.finish()
-    emit(event="done", rank=rank, digest=params_digest(model), failed_saves=hook.failed_saves,
-         save_metrics=manager.last_save_metrics.as_dict() if manager.last_save_metrics else None)
+    emit(
+        event="done",
+        rank=rank,
+        digest=params_digest(model),
+        failed_saves=hook.failed_saves,
+        save_metrics=manager.last_save_metrics.as_dict() if manager.last_save_metrics else None,
+    )
     hook.close()
     manager.close()
     dist.destroy_process_group()

@@ -1,0 +1,230 @@
+"""The bench launcher: run a function in W fresh rank processes (a gloo group on loopback).
+
+Shared by :mod:`.runner` (the benchmark's save and restore phases) and :mod:`.limits` (the
+transport measurements); it imports neither, so the two do not import each other.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import re
+import socket
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..errors import CheckpointingException, ValidationError
+
+_NOISE = (
+    "The pynvml package is deprecated",
+    "Transformer Engine and Apex are not installed",
+    "The TemporalAsyncCaller will be deprecated",
+    "`_get_pg_default_device` will be deprecated",
+    "Multiple backends are registered with this ProcessGroup",
+)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """A rank's identity and its node's store root, as a system's ``setup`` receives it."""
+
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    tmp_root: str
+    session: str = "bench"
+    replication_factor: int = 2
+    phase: str = "save"  # "save" | "restore"
+    services: Any = None  # NodeServices.info of the system's per-node services, if any
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
+
+    @property
+    def store_root(self) -> str:
+        """This node's store directory: all node-local state of a system must live below it."""
+        return node_store_root(self.tmp_root, self.node)
+
+    @property
+    def dp_group(self):
+        """The data-parallel (fully parallel save/load) group: every rank."""
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+
+def node_store_root(tmp_root: str, node: int) -> str:
+    return str(Path(tmp_root) / f"node{node}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# resilient_ckpt first: it silences torch's pynvml warning before torch is imported. The
+# baseline (megatron-core, ~3 s to import) is preloaded for every system alike, so all rank
+# processes start from the same resident pages and RSS figures compare fairly.
+_PRELOAD = [
+    "resilient_ckpt",
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "resilient_ckpt.bench.workload",
+    "resilient_ckpt.bench.baseline",
+]
+
+
+def mp_context(preload: Sequence[str] = ()):
+    ctx = mp.get_context("forkserver")
+    # Only effective before the fork server starts (the first launch): heavy imports such as
+    # megatron-core (~3 s) then happen once, not in every rank of every phase.
+    ctx.set_forkserver_preload(list(dict.fromkeys(_PRELOAD + list(preload))))
+    return ctx
+
+
+def quiet() -> None:
+    """Silence the known import-time warnings of torch, megatron-core and nvrx."""
+    for msg in _NOISE:
+        warnings.filterwarnings("ignore", message=f".*{re.escape(msg)}")
+    import logging
+
+    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.ERROR)
+
+
+def _entry(
+    fn, ctx: RankContext, port: int, args, result_q, hold: bool, init_pg: bool, pg_timeout_s: float
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(ctx.rank),
+        WORLD_SIZE=str(ctx.world_size),
+        LOCAL_RANK=str(ctx.local_rank),
+        LOCAL_WORLD_SIZE=str(ctx.ranks_per_node),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    quiet()
+    import torch
+    import torch.distributed as dist
+
+    # W ranks share this machine's cores: one intra-op thread each, as one rank per GPU would.
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout=timedelta(seconds=pg_timeout_s),
+            )
+        result_q.put((ctx.rank, "ok", fn(ctx, *args)))
+    except BaseException as e:  # the parent decides; it kills every rank on any error
+        result_q.put((ctx.rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    if hold:
+        # Wait for SIGKILL: the phase ends the way a crash ends a job, with nothing cleaned up.
+        threading.Event().wait()
+    if init_pg and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp_root: str,
+    *,
+    ranks_per_node: Optional[int] = None,
+    args: Sequence[Any] = (),
+    hold: bool = False,
+    init_process_group: bool = True,
+    timeout: float = 300.0,
+    session: str = "bench",
+    replication_factor: int = 2,
+    phase: str = "save",
+    services: Any = None,
+    preload: Sequence[str] = (),
+) -> List[Any]:
+    """Run ``fn(ctx, *args)`` in ``world_size`` fresh processes; results in rank order.
+
+    With ``hold`` every rank waits after reporting and is then SIGKILLed (all of them, only
+    after all reported). Any rank error, unexpected death or timeout kills all ranks and
+    raises :class:`CheckpointingException` with the rank's traceback.
+    """
+    if world_size < 1:
+        raise ValidationError(f"world_size={world_size}: pass at least 1 rank")
+    rpn = ranks_per_node or world_size
+    ctx_mp = mp_context(preload)
+    port = free_port()
+    q = ctx_mp.Queue()
+    procs = []
+    for r in range(world_size):
+        ctx = RankContext(r, world_size, rpn, str(tmp_root), session, replication_factor, phase, services)
+        p = ctx_mp.Process(
+            target=_entry,
+            args=(fn, ctx, port, tuple(args), q, hold, init_process_group, max(timeout, 60.0)),
+            # not daemonic: systems may fork writers (nvrx does); launch() always reaps them
+            daemon=False,
+            name=f"bench-rank{r}",
+        )
+        p.start()
+        procs.append(p)
+
+    def kill_all() -> None:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=30)
+
+    results: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, payload = q.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                if dead:
+                    raise CheckpointingException(
+                        f"bench rank(s) {dead} died without a result (exit codes "
+                        f"{[procs[r].exitcode for r in dead]}); out of memory? Try smaller --sizes"
+                    ) from None  # the empty queue is only the poll's timeout
+                if time.monotonic() > deadline:
+                    raise CheckpointingException(
+                        f"bench phase timed out after {timeout:.0f}s; ranks without a result: "
+                        f"{sorted(set(range(world_size)) - set(results))}"
+                    ) from None
+                continue
+            if status != "ok":
+                raise CheckpointingException(f"bench rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        if hold or len(results) < world_size:
+            kill_all()
+        else:
+            for p in procs:
+                p.join(timeout=30)
+            kill_all()
+        q.close()
+    return [results[r] for r in range(world_size)]
