@@ -27,10 +27,16 @@ Layout = Tuple[Dict, Dict, int, set]
 def gpt_like(dp: int, layers: int, hidden: int = 4096, tp: int = 1) -> Layout:
     """One DP group of a GPT model: params (bf16) and Adam states (fp32), all DP-replicated."""
     s2r, s2s = {}, {}
-    per_layer = (("qkv", 3 * hidden * hidden // tp), ("proj", hidden * hidden // tp),
-                 ("fc1", 4 * hidden * hidden // tp), ("fc2", 4 * hidden * hidden // tp),
-                 ("qkv_bias", 3 * hidden // tp), ("fc1_bias", 4 * hidden // tp),
-                 ("ln1", hidden), ("ln2", hidden))
+    per_layer = (
+        ("qkv", 3 * hidden * hidden // tp),
+        ("proj", hidden * hidden // tp),
+        ("fc1", 4 * hidden * hidden // tp),
+        ("fc2", 4 * hidden * hidden // tp),
+        ("qkv_bias", 3 * hidden // tp),
+        ("fc1_bias", 4 * hidden // tp),
+        ("ln1", hidden),
+        ("ln2", hidden),
+    )
     for layer in range(layers):
         for name, numel in per_layer:
             for kind, itemsize in (("param", 2), ("main", 4), ("exp_avg", 4), ("exp_avg_sq", 4)):
@@ -76,8 +82,10 @@ def balance_figures() -> List[str]:
         "skewed DP=8: 3 huge embeddings + 2k small": skewed(8),
         "random subsets W=8, 100k shards": random_layout(8, 100_000),
     }
-    lines = [f"{'layout':55s} {'shards':>7s} {'ours max/mean':>14s} {'mcore max/mean':>15s}"
-             f" {'ours s':>7s} {'mcore s':>8s}"]
+    lines = [
+        f"{'layout':55s} {'shards':>7s} {'ours max/mean':>14s} {'mcore max/mean':>15s}"
+        f" {'ours s':>7s} {'mcore s':>8s}"
+    ]
     for name, (s2r, s2s, n, cross) in layouts.items():
         t0 = time.perf_counter()
         ours = assign_shards(s2r, s2s, n, cross_group=cross)
@@ -86,12 +94,14 @@ def balance_figures() -> List[str]:
         theirs = distribute_shards_to_ranks(s2r, s2s, n, cross)
         t_theirs = time.perf_counter() - t0
 
-        def ratio(a):
+        def ratio(a, s2s=s2s, n=n):
             loads = rank_loads(a, s2s, n)
             return max(loads) / (sum(loads) / n)
 
-        lines.append(f"{name:55s} {len(s2r):7d} {ratio(ours):14.6f} {ratio(theirs):15.6f}"
-                     f" {t_ours:7.2f} {t_theirs:8.2f}")
+        lines.append(
+            f"{name:55s} {len(s2r):7d} {ratio(ours):14.6f} {ratio(theirs):15.6f}"
+            f" {t_ours:7.2f} {t_theirs:8.2f}"
+        )
     return lines
 
 
@@ -139,18 +149,19 @@ def _cycle_rank(ctx, n_shards: int):
 
 
 def cycle_figures(n_shards: int) -> List[str]:
-    from harness import run_ranks
-
     import tempfile
+
+    from harness import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out = run_ranks(_cycle_rank, 2, tmp, args=(n_shards,), timeout=600, collective_timeout=300)
     lines = [f"{n_shards} shards on 2 gloo ranks (CPU); seconds, slowest rank:"]
     for phase in out[0][0]:
         lines.append(f"  {phase:58s} {max(o[0][phase] for o in out):8.3f}")
-    cycle = sum(max(o[0][p] for o in out) for p in out[0][0]
-                if "cached" not in p and "p2p" not in p)
-    lines.append(f"  {'cycle: first from_state_dict + pop + insert + to_state_dict (broadcast)':58s} {cycle:8.3f}")
+    cycle = sum(max(o[0][p] for o in out) for p in out[0][0] if "cached" not in p and "p2p" not in p)
+    lines.append(
+        f"  {'cycle: first from_state_dict + pop + insert + to_state_dict (broadcast)':58s} {cycle:8.3f}"
+    )
     lines.append(f"  saved shards per rank {[o[1] for o in out]}, imbalance {out[0][2]:.4f}")
     return lines
 

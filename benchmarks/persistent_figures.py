@@ -72,12 +72,17 @@ def _sum(x: int) -> int:
 def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
     from resilient_ckpt import ShardedTensor
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
     from resilient_ckpt.persistent.local_load import load_local
     from resilient_ckpt.persistent.storage import CountingStorageReader, SafeFileSystemReader
-    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
     from resilient_ckpt.persistent.tier import PersistentTier
     from resilient_ckpt.persistent.two_stage import two_stage_load
 
@@ -92,15 +97,26 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
 
     def sharded(params):
         # Data parallel: every rank holds every parameter; replica_id = rank.
-        return {"model": {n: ShardedTensor.from_rank_offsets(f"model.{n}", t, replica_id=rank)
-                          for n, t in params.items()}, "step": 0}
+        return {
+            "model": {
+                n: ShardedTensor.from_rank_offsets(f"model.{n}", t, replica_id=rank)
+                for n, t in params.items()
+            },
+            "step": 0,
+        }
 
-    mgr = CheckpointManager("bench-persistent", str(root / "shm"), replication_factor=1,
-                            ranks_per_node=world, keep_last=args.repeats + 2)
+    mgr = CheckpointManager(
+        "bench-persistent",
+        str(root / "shm"),
+        replication_factor=1,
+        ranks_per_node=world,
+        keep_last=args.repeats + 2,
+    )
     # Nothing is deleted while measuring: this VM's disk is mounted with online discard, and
     # deleting gigabytes stalls whichever write comes next.
-    tier = PersistentTier(root / "durable", session="bench-persistent", keep_last=args.repeats + 1,
-                          timeout_s=600)
+    tier = PersistentTier(
+        root / "durable", session="bench-persistent", keep_last=args.repeats + 1, timeout_s=600
+    )
     total_bytes = sum(t.numel() * 4 for t in model(0).values())
 
     share = torch.empty(total_bytes // world, dtype=torch.uint8).fill_(rank)
@@ -128,21 +144,33 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
         raw_s = raw_write()
         dist.barrier()
         res = tier.flush(mgr.store, it).wait()
-        flushes.append({"seconds": _max(res.durable_seconds), "bytes": res.total_bytes,
-                        "my_bytes": res.bytes_written, "raw_write_s": raw_s,
-                        "full_plans_received": tier.planner.stats.full_plans_received if rank == 0 else None})
+        flushes.append(
+            {
+                "seconds": _max(res.durable_seconds),
+                "bytes": res.total_bytes,
+                "my_bytes": res.bytes_written,
+                "raw_write_s": raw_s,
+                "full_plans_received": tier.planner.stats.full_plans_received if rank == 0 else None,
+            }
+        )
     share = None  # released before the loads are measured
     ckpt = Path(tier.latest_complete().path)
     expected = model(args.repeats)
 
     def template():
-        return {"model": {n: ShardedTensor.from_rank_offsets(f"model.{n}", torch.empty(shape), replica_id=rank)
-                          for n in expected}}
+        return {
+            "model": {
+                n: ShardedTensor.from_rank_offsets(f"model.{n}", torch.empty(shape), replica_id=rank)
+                for n in expected
+            }
+        }
 
     loads = {"every_rank_reads_all": [], "two_stage": []}
     read_bytes = {}
     for rep in range(args.repeats):
-        for variant in ("every_rank_reads_all", "two_stage") if rep % 2 == 0 else ("two_stage", "every_rank_reads_all"):
+        for variant in (
+            ("every_rank_reads_all", "two_stage") if rep % 2 == 0 else ("two_stage", "every_rank_reads_all")
+        ):
             if rank == 0:
                 _evict(ckpt)
             dist.barrier()
@@ -164,14 +192,20 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     for raw in raw_files:
         raw.unlink()
     if rank == 0:
-        out_q.put({
-            "ranks": world, "tensor_bytes": total_bytes, "tensors": args.tensors, "dir": str(root),
-            "flushes": flushes,
-            "flush_gbps": [f["bytes"] / f["seconds"] / 1e9 for f in flushes],
-            "raw_write_gbps": [total_bytes / f["raw_write_s"] / 1e9 for f in flushes],
-            "loads_s": loads, "load_read_bytes": read_bytes,
-            "page_cache": "evicted (posix_fadvise DONTNEED) before every load",
-        })
+        out_q.put(
+            {
+                "ranks": world,
+                "tensor_bytes": total_bytes,
+                "tensors": args.tensors,
+                "dir": str(root),
+                "flushes": flushes,
+                "flush_gbps": [f["bytes"] / f["seconds"] / 1e9 for f in flushes],
+                "raw_write_gbps": [total_bytes / f["raw_write_s"] / 1e9 for f in flushes],
+                "loads_s": loads,
+                "load_read_bytes": read_bytes,
+                "page_cache": "evicted (posix_fadvise DONTNEED) before every load",
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -182,7 +216,9 @@ def main(argv=None) -> int:
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--read-ahead-mb", type=int, default=256)
-    p.add_argument("--dir", default=None, help="where the DCP checkpoint goes (default: a temp dir under /tmp)")
+    p.add_argument(
+        "--dir", default=None, help="where the DCP checkpoint goes (default: a temp dir under /tmp)"
+    )
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     made = args.dir is None
@@ -208,16 +244,28 @@ def main(argv=None) -> int:
             shutil.rmtree(args.dir, ignore_errors=True)
     gb = res["tensor_bytes"] / 1e9
     med = {k: statistics.median(v) for k, v in res["loads_s"].items()}
-    print(f"persistent tier, {res['ranks']} ranks on one host, {gb:.3f} GB of tensors ({res['tensors']} tensors), dir {res['dir']}")
+    print(
+        f"persistent tier, {res['ranks']} ranks on one host, {gb:.3f} GB of tensors ({res['tensors']} tensors), dir {res['dir']}"
+    )
     for i, (f, g, lim) in enumerate(zip(res["flushes"], res["flush_gbps"], res["raw_write_gbps"])):
-        cached = "" if f["full_plans_received"] is None else f"; coordinator received {f['full_plans_received']} full plans"
-        print(f"  flush {i + 1}: {f['seconds']:.3f} s until durable, {g:.2f} GB/s "
-              f"(machine limit just before: plain write+fsync of the same bytes {lim:.2f} GB/s{cached})")
-    print(f"  flush median {statistics.median(res['flush_gbps']):.2f} GB/s, limit median "
-          f"{statistics.median(res['raw_write_gbps']):.2f} GB/s")
+        cached = (
+            ""
+            if f["full_plans_received"] is None
+            else f"; coordinator received {f['full_plans_received']} full plans"
+        )
+        print(
+            f"  flush {i + 1}: {f['seconds']:.3f} s until durable, {g:.2f} GB/s "
+            f"(machine limit just before: plain write+fsync of the same bytes {lim:.2f} GB/s{cached})"
+        )
+    print(
+        f"  flush median {statistics.median(res['flush_gbps']):.2f} GB/s, limit median "
+        f"{statistics.median(res['raw_write_gbps']):.2f} GB/s"
+    )
     for k in ("every_rank_reads_all", "two_stage"):
         runs = ", ".join(f"{x:.3f}" for x in res["loads_s"][k])
-        print(f"  load, {k:<21} median {med[k]:.3f} s  (runs {runs}); read from storage {res['load_read_bytes'][k] / 1e9:.3f} GB")
+        print(
+            f"  load, {k:<21} median {med[k]:.3f} s  (runs {runs}); read from storage {res['load_read_bytes'][k] / 1e9:.3f} GB"
+        )
     print(f"  two-stage speedup: {med['every_rank_reads_all'] / med['two_stage']:.2f}x ({res['page_cache']})")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

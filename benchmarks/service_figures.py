@@ -76,7 +76,7 @@ def _zmq_receiver(port: int, total: int, rounds: int, copy_into: bool, sockbuf: 
             f = s.recv(copy=False)
             n = len(f)
             if dst is not None:
-                np.copyto(dst[off:off + n], np.frombuffer(f.buffer, np.uint8))
+                np.copyto(dst[off : off + n], np.frombuffer(f.buffer, np.uint8))
             off += n
         q.put((time.perf_counter(), _cpu_s(os.getpid())))
     s.close(linger=0)
@@ -92,9 +92,9 @@ class RawZmq:
         self.frame = frame
         self.q = mp.get_context("fork").Queue()
         port = _port()
-        self.proc = mp.get_context("fork").Process(target=_zmq_receiver,
-                                                   args=(port, total, rounds, copy_into, sockbuf, self.q),
-                                                   daemon=True)
+        self.proc = mp.get_context("fork").Process(
+            target=_zmq_receiver, args=(port, total, rounds, copy_into, sockbuf, self.q), daemon=True
+        )
         self.proc.start()
         self.q.get(timeout=60)
         self.ctx = zmq.Context()
@@ -110,7 +110,7 @@ class RawZmq:
         c0, cr0 = _cpu_s(os.getpid()), _cpu_s(self.proc.pid)
         t0 = time.perf_counter()
         for off in range(0, self.total, self.frame):
-            self.sock.send(self.view[off:off + self.frame], copy=False)
+            self.sock.send(self.view[off : off + self.frame], copy=False)
         t1, cr1 = self.q.get(timeout=300)
         return {"seconds": t1 - t0, "sender_cpu_s": _cpu_s(os.getpid()) - c0, "receiver_cpu_s": cr1 - cr0}
 
@@ -149,8 +149,8 @@ class Daemons:
     """Two daemon processes on loopback, node 0 and node 1, in separate store roots."""
 
     def __init__(self, root: Path, total: int, extra: List[str]):
-        from resilient_ckpt.service.wire.auth import write_secret_file
         from resilient_ckpt.service.client import DaemonClient
+        from resilient_ckpt.service.wire.auth import write_secret_file
 
         self.root = root
         secret = root / "secret"
@@ -160,11 +160,29 @@ class Daemons:
         self.procs = []
         for i in range(2):
             peers = ",".join(f"{j}={e}" for j, e in self.eps.items() if j != i)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "resilient_ckpt.service.daemon", "--store-root", str(root / f"node{i}"),
-                 "--bind", self.eps[i], "--node-id", str(i), "--peers", peers, "--log-level", "WARNING",
-                 "--keep-last", "1", *extra],
-                stderr=open(root / f"daemon{i}.log", "w")))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "resilient_ckpt.service.daemon",
+                        "--store-root",
+                        str(root / f"node{i}"),
+                        "--bind",
+                        self.eps[i],
+                        "--node-id",
+                        str(i),
+                        "--peers",
+                        peers,
+                        "--log-level",
+                        "WARNING",
+                        "--keep-last",
+                        "1",
+                        *extra,
+                    ],
+                    stderr=open(root / f"daemon{i}.log", "w"),
+                )
+            )
         self.c0 = DaemonClient(self.eps[0], "bench", timeout_s=120)
         self.c1 = DaemonClient(self.eps[1], "bench", timeout_s=120)
         self.c0.wait_ready(120)
@@ -186,10 +204,16 @@ class Daemons:
         seg.buffer.fill_(self.it % 251)
         store.claim(seg, self.it, owner)
         mv = checksum.byte_view(seg.buffer)
-        layouts = [replace(l, checksum=checksum.digest(mv[l.offset:l.offset + l.nbytes])) for l in layouts]
-        header = CheckpointHeader(session="bench", iteration=self.it, owner=owner, world_size=2,
-                                  tensors=tuple(layouts), data_nbytes=total,
-                                  replication={"kind": "ring", "factor": 2, "jump": 1, "ranks_per_node": 1})
+        layouts = [replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in layouts]
+        header = CheckpointHeader(
+            session="bench",
+            iteration=self.it,
+            owner=owner,
+            world_size=2,
+            tensors=tuple(layouts),
+            data_nbytes=total,
+            replication={"kind": "ring", "factor": 2, "jump": 1, "ranks_per_node": 1},
+        )
         store.publish(seg, header)
         seg.close()
         return store, header
@@ -216,9 +240,15 @@ class Daemons:
         pull_s = time.perf_counter() - t0
         c2 = [_cpu_s(p.pid) for p in self.procs]
         self.it += 1
-        return {"push_s": push_s, "pull_s": pull_s, "bytes": header.data_nbytes,
-                "push_sender_cpu_s": c1[0] - c[0], "push_receiver_cpu_s": c1[1] - c[1],
-                "pull_server_cpu_s": c2[1] - c1[1], "pull_receiver_cpu_s": c2[0] - c1[0]}
+        return {
+            "push_s": push_s,
+            "pull_s": pull_s,
+            "bytes": header.data_nbytes,
+            "push_sender_cpu_s": c1[0] - c[0],
+            "push_receiver_cpu_s": c1[1] - c[1],
+            "pull_server_cpu_s": c2[1] - c1[1],
+            "pull_receiver_cpu_s": c2[0] - c1[0],
+        }
 
     def close(self) -> None:
         for p in self.procs:
@@ -235,7 +265,9 @@ class Daemons:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mib", type=int, default=512, help="checkpoint / transfer size (default %(default)s MiB)")
+    p.add_argument(
+        "--mib", type=int, default=512, help="checkpoint / transfer size (default %(default)s MiB)"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--root", default="/dev/shm", help="where the two daemons' store roots go (tmpfs)")
     p.add_argument("--json", help="also write the raw measurements here")
@@ -243,8 +275,13 @@ def main() -> None:
     args = p.parse_args()
     total = args.mib << 20
     root = Path(tempfile.mkdtemp(prefix="rc_service_bench_", dir=args.root))
-    results: Dict[str, List[Dict[str, float]]] = {"daemon": [], "zmq_touch": [], "zmq_copy": [], "zmq_tuned": [],
-                                                   "gloo": []}
+    results: Dict[str, List[Dict[str, float]]] = {
+        "daemon": [],
+        "zmq_touch": [],
+        "zmq_copy": [],
+        "zmq_tuned": [],
+        "gloo": [],
+    }
     try:
         from harness import run_ranks
 
@@ -280,25 +317,40 @@ def main() -> None:
         return f"{statistics.median(samples) / gb:.2f}"
 
     d, zt_, zc_ = results["daemon"], results["zmq_touch"], results["zmq_copy"]
-    print(f"loopback, {args.mib} MiB per transfer, {args.rounds} interleaved rounds, median (best); "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"loopback, {args.mib} MiB per transfer, {args.rounds} interleaved rounds, median (best); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     print(f"{'method':44s} {'throughput':26s} CPU s/GB send | recv")
-    print(f"{'daemon -> daemon push (COMMIT to replicated)':44s} {rate([r['push_s'] for r in d]):26s} "
-          f"{cpu([r['push_sender_cpu_s'] for r in d])} | {cpu([r['push_receiver_cpu_s'] for r in d])}")
-    print(f"{'daemon <- daemon pull (FETCH pull)':44s} {rate([r['pull_s'] for r in d]):26s} "
-          f"{cpu([r['pull_server_cpu_s'] for r in d])} | {cpu([r['pull_receiver_cpu_s'] for r in d])}")
-    print(f"{'raw ZeroMQ PUSH/PULL, 64 MiB zero-copy':44s} {rate([r['seconds'] for r in zt_]):26s} "
-          f"{cpu([r['sender_cpu_s'] for r in zt_])} | {cpu([r['receiver_cpu_s'] for r in zt_])}")
-    print(f"{'raw ZeroMQ, receiver copies into a buffer':44s} {rate([r['seconds'] for r in zc_]):26s} "
-          f"{cpu([r['sender_cpu_s'] for r in zc_])} | {cpu([r['receiver_cpu_s'] for r in zc_])}")
+    print(
+        f"{'daemon -> daemon push (COMMIT to replicated)':44s} {rate([r['push_s'] for r in d]):26s} "
+        f"{cpu([r['push_sender_cpu_s'] for r in d])} | {cpu([r['push_receiver_cpu_s'] for r in d])}"
+    )
+    print(
+        f"{'daemon <- daemon pull (FETCH pull)':44s} {rate([r['pull_s'] for r in d]):26s} "
+        f"{cpu([r['pull_server_cpu_s'] for r in d])} | {cpu([r['pull_receiver_cpu_s'] for r in d])}"
+    )
+    print(
+        f"{'raw ZeroMQ PUSH/PULL, 64 MiB zero-copy':44s} {rate([r['seconds'] for r in zt_]):26s} "
+        f"{cpu([r['sender_cpu_s'] for r in zt_])} | {cpu([r['receiver_cpu_s'] for r in zt_])}"
+    )
+    print(
+        f"{'raw ZeroMQ, receiver copies into a buffer':44s} {rate([r['seconds'] for r in zc_]):26s} "
+        f"{cpu([r['sender_cpu_s'] for r in zc_])} | {cpu([r['receiver_cpu_s'] for r in zc_])}"
+    )
     zb_ = results["zmq_tuned"]
-    print(f"{'raw ZeroMQ, 4 MiB frames + 4 MiB SO_*BUF, copy':44s} {rate([r['seconds'] for r in zb_]):26s} "
-          f"{cpu([r['sender_cpu_s'] for r in zb_])} | {cpu([r['receiver_cpu_s'] for r in zb_])}")
+    print(
+        f"{'raw ZeroMQ, 4 MiB frames + 4 MiB SO_*BUF, copy':44s} {rate([r['seconds'] for r in zb_]):26s} "
+        f"{cpu([r['sender_cpu_s'] for r in zb_])} | {cpu([r['receiver_cpu_s'] for r in zb_])}"
+    )
     print(f"{'gloo send/recv (one tensor)':44s} {rate([r['seconds'] for r in results['gloo']]):26s}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mib": args.mib, "rounds": args.rounds, "results": results,
-                       "loadavg": os.getloadavg()}, f, indent=1)
+            json.dump(
+                {"mib": args.mib, "rounds": args.rounds, "results": results, "loadavg": os.getloadavg()},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

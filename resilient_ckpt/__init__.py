@@ -11,7 +11,6 @@ _warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
 from .errors import CheckpointingException  # noqa: E402
 from .model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, is_main_replica  # noqa: E402
 from .model.validation import StrictHandling  # noqa: E402
-
 from .version import __version__ as __version__  # noqa: E402  (re-exported)
 
 _LAZY = {

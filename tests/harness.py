@@ -117,7 +117,13 @@ def _mp_context():
         _CTX = mp.get_context("forkserver")
         # Everything a rank imports, once: each rank then starts in a fraction of a second.
         _CTX.set_forkserver_preload(
-            ["torch", "torch.distributed", "resilient_ckpt", "resilient_ckpt.model.codec", "resilient_ckpt.manager.checkpoint_manager"]
+            [
+                "torch",
+                "torch.distributed",
+                "resilient_ckpt",
+                "resilient_ckpt.model.codec",
+                "resilient_ckpt.manager.checkpoint_manager",
+            ]
         )
     return _CTX
 
@@ -178,7 +184,7 @@ def run_ranks(
                 raise RankFailed(
                     f"timeout after {timeout}s; ranks still running: {sorted(pending)}; "
                     f"finished: {sorted(results)}; errors: {errors}"
-                )
+                ) from None
             continue
         pending.discard(rank)
         if status == "ok":

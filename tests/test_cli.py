@@ -14,15 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilient_ckpt.memory import checksum
 from resilient_ckpt.cli import service as svc_cli
+from resilient_ckpt.memory import checksum
 from resilient_ckpt.memory.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _save(store: CheckpointStore, iteration: int, owner: int, world_size: int, numel: int = 1000,
-          replication: dict | None = None) -> CheckpointId:
+def _save(
+    store: CheckpointStore,
+    iteration: int,
+    owner: int,
+    world_size: int,
+    numel: int = 1000,
+    replication: dict | None = None,
+) -> CheckpointId:
     """One checkpoint written the way the manager writes it: reserve, claim, copy, header last."""
     t = torch.arange(numel, dtype=torch.float32) + owner
     layouts, total = plan_layout([(t.dtype, tuple(t.shape))])
@@ -30,10 +36,18 @@ def _save(store: CheckpointStore, iteration: int, owner: int, world_size: int, n
     store.claim(seg, iteration, owner)
     seg.tensor(layouts[0]).copy_(t)
     mv = checksum.byte_view(seg.buffer)
-    layouts = [dataclasses.replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in layouts]
+    layouts = [
+        dataclasses.replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in layouts
+    ]
     header = CheckpointHeader(
-        session=store.session, iteration=iteration, owner=owner, world_size=world_size,
-        tensors=tuple(layouts), data_nbytes=total, meta=b"hollow", replication=replication or {},
+        session=store.session,
+        iteration=iteration,
+        owner=owner,
+        world_size=world_size,
+        tensors=tuple(layouts),
+        data_nbytes=total,
+        meta=b"hollow",
+        replication=replication or {},
     )
     store.publish(seg, header)
     seg.close()
@@ -189,8 +203,11 @@ def test_store_root_and_endpoint_together_are_a_usage_error(root, capsys):
 def test_drop_iteration_asks_and_a_no_keeps_everything(root, capsys, monkeypatch):
     before = CheckpointStore(root, "job-a").list()
     code, _, err = _run(
-        svc_cli.drop_main, ["--store-root", str(root), "--session", "job-a", "--iteration", "20"],
-        capsys, stdin="n\n", monkeypatch=monkeypatch,
+        svc_cli.drop_main,
+        ["--store-root", str(root), "--session", "job-a", "--iteration", "20"],
+        capsys,
+        stdin="n\n",
+        monkeypatch=monkeypatch,
     )
     assert code == 1
     assert "Drop iteration(s) 20 of session 'job-a'" in err and "[y/N]" in err
@@ -201,8 +218,11 @@ def test_drop_iteration_asks_and_a_no_keeps_everything(root, capsys, monkeypatch
 
 def test_drop_without_an_answer_on_stdin_drops_nothing_and_points_at_yes(root, capsys, monkeypatch):
     code, _, err = _run(
-        svc_cli.drop_main, ["--store-root", str(root), "--session", "job-b", "--all"],
-        capsys, stdin="", monkeypatch=monkeypatch,
+        svc_cli.drop_main,
+        ["--store-root", str(root), "--session", "job-b", "--all"],
+        capsys,
+        stdin="",
+        monkeypatch=monkeypatch,
     )
     assert code == 1 and "--yes" in err
     assert CheckpointStore(root, "job-b").list()
@@ -211,8 +231,11 @@ def test_drop_without_an_answer_on_stdin_drops_nothing_and_points_at_yes(root, c
 def test_drop_iteration_confirmed_removes_every_owner_and_releases_memory(root, capsys, monkeypatch):
     store = CheckpointStore(root, "job-a")
     code, out, _ = _run(
-        svc_cli.drop_main, ["--store-root", str(root), "--session", "job-a", "--iteration", "10", "--json"],
-        capsys, stdin="y\n", monkeypatch=monkeypatch,
+        svc_cli.drop_main,
+        ["--store-root", str(root), "--session", "job-a", "--iteration", "10", "--json"],
+        capsys,
+        stdin="y\n",
+        monkeypatch=monkeypatch,
     )
     assert code == 0
     doc = json.loads(out)
@@ -246,7 +269,9 @@ def test_drop_of_an_iteration_not_held_drops_nothing_and_says_what_is_held(root,
 
 
 def test_drop_all_removes_the_session_directory_and_leaves_other_sessions(root, capsys):
-    code, out, _ = _run(svc_cli.drop_main, ["--store-root", str(root), "--session", "job-a", "--all", "-y"], capsys)
+    code, out, _ = _run(
+        svc_cli.drop_main, ["--store-root", str(root), "--session", "job-a", "--all", "-y"], capsys
+    )
     assert code == 0 and "dropped session 'job-a'" in out
     assert not (root / "job-a").exists()
     assert svc_cli.session_names(root) == ["job-b"]
@@ -306,7 +331,9 @@ def test_derived_secrets_agree_for_one_label_and_differ_between_labels(tmp_root,
     files = {}
     for name, label in (("a", "slurm-7"), ("b", "slurm-7"), ("c", "slurm-8")):
         files[name] = tmp_root / f"{name}.secret"
-        code, out, _ = _run(svc_cli.secret_main, [str(files[name]), "--derive-from", str(key), "--label", label], capsys)
+        code, out, _ = _run(
+            svc_cli.secret_main, [str(files[name]), "--derive-from", str(key), "--label", label], capsys
+        )
         assert code == 0 and f"derived for {label!r}" in out
         assert stat.S_IMODE(files[name].stat().st_mode) == 0o600
     assert load_secret(files["a"]) == load_secret(files["b"]) != load_secret(files["c"])
@@ -314,7 +341,9 @@ def test_derived_secrets_agree_for_one_label_and_differ_between_labels(tmp_root,
     code, _, err = _run(svc_cli.secret_main, [str(tmp_root / "d"), "--derive-from", str(key)], capsys)
     assert code == 2 and "--label" in err
     key.chmod(0o644)
-    code, _, err = _run(svc_cli.secret_main, [str(tmp_root / "e"), "--derive-from", str(key), "--label", "x"], capsys)
+    code, _, err = _run(
+        svc_cli.secret_main, [str(tmp_root / "e"), "--derive-from", str(key), "--label", "x"], capsys
+    )
     assert code == 1 and "chmod 600" in err and not (tmp_root / "e").exists()
 
 
@@ -325,13 +354,28 @@ def test_commands_are_registered_in_the_resilient_ckpt_entry_point(root):
     env = dict(os.environ, COLUMNS="200")
     env.pop("RESILIENT_CKPT_ENDPOINT", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "resilient_ckpt.cli.main", "ls", "--store-root", str(root), "--session", "job-b"],
-        capture_output=True, text=True, env=env, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "resilient_ckpt.cli.main",
+            "ls",
+            "--store-root",
+            str(root),
+            "--session",
+            "job-b",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert "local copies of 1/2 owners" in proc.stdout
     helptext = subprocess.run(
-        [sys.executable, "-m", "resilient_ckpt.cli.main", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "resilient_ckpt.cli.main", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout
     for name in ("ls", "drop", "status", "secret"):
         assert f"    {name} " in helptext or f"\n    {name}\n" in helptext, helptext
@@ -352,9 +396,8 @@ def cluster(tmp_root, monkeypatch):
     replacement node whose store is empty.
     """
     from harness import free_port
-
-    from resilient_ckpt.service.wire.auth import Authenticator
     from resilient_ckpt.service.daemon import Daemon, DaemonConfig
+    from resilient_ckpt.service.wire.auth import Authenticator
 
     monkeypatch.setenv("RESILIENT_CKPT_SECRET", SECRET)
     monkeypatch.delenv("RESILIENT_CKPT_SECRET_FILE", raising=False)
@@ -365,8 +408,17 @@ def cluster(tmp_root, monkeypatch):
     peers = {n: f"tcp://127.0.0.1:{free_port()}" for n in (0, 1)}
     auth = Authenticator(SECRET.encode())
     daemons = [
-        Daemon(DaemonConfig(store_root=str(roots[n]), bind=peers[n], node_id=n, peers=peers, ping_interval_s=0.2,
-                            keep_last=None), auth).start()
+        Daemon(
+            DaemonConfig(
+                store_root=str(roots[n]),
+                bind=peers[n],
+                node_id=n,
+                peers=peers,
+                ping_interval_s=0.2,
+                keep_last=None,
+            ),
+            auth,
+        ).start()
         for n in (0, 1)
     ]
     yield peers, roots
@@ -391,14 +443,18 @@ def _wait_for(predicate, what, timeout=15.0):
 
 def test_status_shows_node_version_store_peers_in_flight_and_rejects(cluster, capsys):
     import resilient_ckpt
-    from resilient_ckpt.service.wire.auth import Authenticator
     from resilient_ckpt.service.client import DaemonClient
     from resilient_ckpt.service.wire import PROTOCOL_VERSION, PeerTimeout
+    from resilient_ckpt.service.wire.auth import Authenticator
 
     peers, roots = cluster
-    _wait_for(lambda: _status_json(peers[1], capsys)["daemon"]["peers"][0]["reachable"], "node 1 to see node 0")
+    _wait_for(
+        lambda: _status_json(peers[1], capsys)["daemon"]["peers"][0]["reachable"], "node 1 to see node 0"
+    )
     # A process without the job secret: the daemon drops its message unanswered and counts it.
-    with DaemonClient(peers[1], "job", Authenticator(b"not-the-job-secret-at-all"), timeout_s=0.3, retries=0) as c:
+    with DaemonClient(
+        peers[1], "job", Authenticator(b"not-the-job-secret-at-all"), timeout_s=0.3, retries=0
+    ) as c:
         with pytest.raises(PeerTimeout):
             c.status()
     doc = _status_json(peers[1], capsys)
@@ -411,7 +467,10 @@ def test_status_shows_node_version_store_peers_in_flight_and_rejects(cluster, ca
 
     code, out, _ = _run(svc_cli.status_main, ["--endpoint", peers[1]], capsys)
     assert code == 0
-    assert "daemon node 1 at" in out and f"resilient_ckpt {resilient_ckpt.__version__}, protocol {PROTOCOL_VERSION}" in out
+    assert (
+        "daemon node 1 at" in out
+        and f"resilient_ckpt {resilient_ckpt.__version__}, protocol {PROTOCOL_VERSION}" in out
+    )
     assert "in 2 checkpoint(s)" in out and "filesystem:" in out and "free)" in out
     assert "peers reachable: 1/1" in out
     assert "in flight: 0 replication(s) out" in out
@@ -426,7 +485,9 @@ def test_status_of_an_unreachable_daemon_is_one_line_and_exit_code_2(capsys, mon
         svc_cli.status_main, ["--endpoint", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.3"], capsys
     )
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("resilient-ckpt: error: no answer from a daemon at tcp://127.0.0.1:")
+    assert err.count("\n") == 1 and err.startswith(
+        "resilient-ckpt: error: no answer from a daemon at tcp://127.0.0.1:"
+    )
     assert "secret" in err
 
 
@@ -447,12 +508,17 @@ def test_ls_through_a_daemon_shows_this_node_and_with_peers_the_whole_job(cluste
     assert job["iterations"][0]["owners"] == [0, 1] and job["iterations"][0]["complete"]
     assert "job" not in job, "only with --peers"
 
-    code, out, _ = _run(svc_cli.ls_main, ["--endpoint", peers[0], "--session", "job", "--peers", "--json"], capsys)
+    code, out, _ = _run(
+        svc_cli.ls_main, ["--endpoint", peers[0], "--session", "job", "--peers", "--json"], capsys
+    )
     assert code == 0
     (job,) = json.loads(out)["sessions"]
     assert job["iterations"] == [], "node 0 holds nothing itself"
     assert job["job"]["complete_iterations"] == [7]
-    assert job["job"]["holders"] == [{"iteration": 7, "owner": 0, "nodes": [1]}, {"iteration": 7, "owner": 1, "nodes": [1]}]
+    assert job["job"]["holders"] == [
+        {"iteration": 7, "owner": 0, "nodes": [1]},
+        {"iteration": 7, "owner": 1, "nodes": [1]},
+    ]
 
     code, out, _ = _run(svc_cli.ls_main, ["--endpoint", peers[0], "--peers"], capsys)
     assert code == 0 and "iteration 7: rank 0 on node(s) 1; rank 1 on node(s) 1" in out
@@ -476,7 +542,9 @@ def test_pull_brings_this_nodes_ranks_from_a_peer_with_a_progress_bar(cluster, c
 def test_pull_of_a_checkpoint_nobody_holds_fails_with_exit_code_1(cluster, capsys):
     peers, _ = cluster
     code, _, err = _run(
-        svc_cli.pull_main, ["--endpoint", peers[0], "--session", "job", "--iteration", "99", "--owner", "0"], capsys
+        svc_cli.pull_main,
+        ["--endpoint", peers[0], "--session", "job", "--iteration", "99", "--owner", "0"],
+        capsys,
     )
     assert code == 1 and "rank 0 of iteration 99" in err
 
@@ -489,7 +557,10 @@ def test_drop_through_a_daemon_asks_then_retires_its_copies_only(cluster, capsys
     code, out, _ = _run(svc_cli.drop_main, args + ["--json"], capsys, stdin="y\n", monkeypatch=monkeypatch)
     assert code == 0
     doc = json.loads(out)
-    assert doc["dropped_by_daemon"] == 2 and doc["dropped"] == [{"iteration": 7, "owner": 0}, {"iteration": 7, "owner": 1}]
+    assert doc["dropped_by_daemon"] == 2 and doc["dropped"] == [
+        {"iteration": 7, "owner": 0},
+        {"iteration": 7, "owner": 1},
+    ]
     assert CheckpointStore(roots[1], "job").list() == []
 
 
@@ -505,14 +576,37 @@ def test_serve_runs_a_daemon_that_status_reaches_and_sigterm_stops(tmp_root):
     env = dict(os.environ, RESILIENT_CKPT_SECRET_FILE=str(secret), COLUMNS="200")
     env.pop("RESILIENT_CKPT_SECRET", None)
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "resilient_ckpt.cli.main", "serve", "--store-root", str(tmp_root / "shm"),
-         "--bind", f"tcp://127.0.0.1:{port}", "--node-id", "3", "--log-format", "json"],
-        env=env, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "resilient_ckpt.cli.main",
+            "serve",
+            "--store-root",
+            str(tmp_root / "shm"),
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--node-id",
+            "3",
+            "--log-format",
+            "json",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
-        status = [sys.executable, "-m", "resilient_ckpt.cli.main", "status", "--endpoint", f"tcp://127.0.0.1:{port}"]
+        status = [
+            sys.executable,
+            "-m",
+            "resilient_ckpt.cli.main",
+            "status",
+            "--endpoint",
+            f"tcp://127.0.0.1:{port}",
+        ]
         for _ in range(30):  # the daemon imports torch first: give it a few seconds
-            proc = subprocess.run(status + ["--json", "--timeout", "1"], env=env, capture_output=True, text=True, timeout=60)
+            proc = subprocess.run(
+                status + ["--json", "--timeout", "1"], env=env, capture_output=True, text=True, timeout=60
+            )
             if proc.returncode != 2:
                 break
         assert proc.returncode == 0, proc.stderr

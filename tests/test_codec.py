@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from hypothesis.vendor import pretty
 
+from resilient_ckpt.errors import CodecError
 from resilient_ckpt.model import codec
 from resilient_ckpt.model.codec import FORMAT_VERSION, decode, encode, register_type
-from resilient_ckpt.errors import CodecError
 from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
 from resilient_ckpt.model.nested import HOLE
 
@@ -135,26 +135,8 @@ def _raw_tensor_bytes(t: torch.Tensor) -> bytes:
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy().tobytes()
 
 
-def assert_same(a, b, path="root"):
-    """Equal values *and* equal types all the way down; floats compared bit for bit."""
-    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
-    if isinstance(a, float):
-        assert _float_bits(a) == _float_bits(b), f"{path}: {a!r} vs {b!r}"
-    elif isinstance(a, complex):
-        assert _float_bits(a.real) + _float_bits(a.imag) == _float_bits(b.real) + _float_bits(
-            b.imag
-        ), path
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert a.requires_grad == b.requires_grad, path
-        assert b.device.type == "cpu" and b.is_contiguous(), path
-        assert _raw_tensor_bytes(a) == _raw_tensor_bytes(b), path
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.dtype.char == b.dtype.char and a.shape == b.shape, path
-        assert a.tobytes() == b.tobytes(), path
-    elif isinstance(a, np.generic):
-        assert a.tobytes() == b.tobytes(), path
-    elif isinstance(a, dict):
+def _assert_same_container(a, b, path):
+    if isinstance(a, dict):
         if isinstance(a, collections.defaultdict):
             assert a.default_factory is b.default_factory, path
         assert len(a) == len(b), path
@@ -165,11 +147,32 @@ def assert_same(a, b, path="root"):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}/{i}")
-    elif isinstance(a, (set, frozenset)):
+    else:
         assert a == b, path
         by_value = {y: y for y in b}
         for x in a:
             assert_same(x, by_value[x], f"{path}/{{{x!r}}}")
+
+
+def assert_same(a, b, path="root"):
+    """Equal values *and* equal types all the way down; floats compared bit for bit."""
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, float):
+        assert _float_bits(a) == _float_bits(b), f"{path}: {a!r} vs {b!r}"
+    elif isinstance(a, complex):
+        assert _float_bits(a.real) + _float_bits(a.imag) == _float_bits(b.real) + _float_bits(b.imag), path
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.requires_grad == b.requires_grad, path
+        assert b.device.type == "cpu" and b.is_contiguous(), path
+        assert _raw_tensor_bytes(a) == _raw_tensor_bytes(b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.dtype.char == b.dtype.char and a.shape == b.shape, path
+        assert a.tobytes() == b.tobytes(), path
+    elif isinstance(a, np.generic):
+        assert a.tobytes() == b.tobytes(), path
+    elif isinstance(a, (dict, list, tuple, set, frozenset)):
+        _assert_same_container(a, b, path)
     elif isinstance(a, argparse.Namespace):
         assert_same(vars(a), vars(b), path)
     elif isinstance(a, (ShardedTensor, ShardedObject)):
@@ -192,9 +195,7 @@ def roundtrip(x, **kw):
 # --- strategies ----------------------------------------------------------------------------
 
 float_bits = st.integers(0, 2**64 - 1).map(lambda i: struct.unpack("<d", struct.pack("<Q", i))[0])
-floats_any = st.one_of(
-    st.floats(), float_bits, st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan])
-)
+floats_any = st.one_of(st.floats(), float_bits, st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan]))
 ints = st.one_of(
     st.integers(-(2**64), 2**65),
     st.integers(-(2**300), 2**300),
@@ -293,9 +294,9 @@ def _containers(c):
         st.lists(c, max_size=4).map(tuple),
         st.dictionaries(hashables, c, max_size=4),
         st.dictionaries(texts, c, max_size=4).map(collections.OrderedDict),
-        st.tuples(
-            st.sampled_from([list, int, dict, None]), st.dictionaries(hashables, c, max_size=3)
-        ).map(lambda fd: collections.defaultdict(fd[0], fd[1])),
+        st.tuples(st.sampled_from([list, int, dict, None]), st.dictionaries(hashables, c, max_size=3)).map(
+            lambda fd: collections.defaultdict(fd[0], fd[1])
+        ),
         st.sets(hashables, max_size=4),
         st.frozensets(hashables, max_size=4),
         st.builds(slice, c, c, c),
@@ -394,8 +395,17 @@ def test_sharded_tensor_and_object_keep_every_field():
 
 
 def test_numpy_scalars_keep_their_exact_type():
-    for v in [np.float32(1.5), np.float16(-0.0), np.int8(-3), np.uint64(2**64 - 1), np.bool_(True),
-              np.complex64(1 - 2j), np.longlong(5), np.intc(7), np.longdouble(1) / 3]:
+    for v in [
+        np.float32(1.5),
+        np.float16(-0.0),
+        np.int8(-3),
+        np.uint64(2**64 - 1),
+        np.bool_(True),
+        np.complex64(1 - 2j),
+        np.longlong(5),
+        np.intc(7),
+        np.longdouble(1) / 3,
+    ]:
         out = roundtrip(v)
         assert type(out) is type(v) and out.tobytes() == v.tobytes()
 
@@ -767,9 +777,19 @@ SAMPLE = {
     "opt": {"param_groups": [{"lr": 0.1, "params": list(range(5)), "betas": (0.9, 0.95)}]},
     "sh": ShardedTensor.from_rank_offsets("w", torch.ones(2, 2, dtype=torch.bfloat16), (0, 1, 2)),
     "obj": ShardedObject("o", {"x": np.arange(6, dtype=np.int16)}, (2,), (1,)),
-    "misc": [HOLE, slice(1, 5), range(3), bytearray(b"ab"), 1 + 2j, torch.float16,
-             torch.Size([3]), torch.device("cpu"), np.float32(2.5), Point(1.0, 2.0, torch.ones(2)),
-             collections.defaultdict(list, {"k": [1]})],
+    "misc": [
+        HOLE,
+        slice(1, 5),
+        range(3),
+        bytearray(b"ab"),
+        1 + 2j,
+        torch.float16,
+        torch.Size([3]),
+        torch.device("cpu"),
+        np.float32(2.5),
+        Point(1.0, 2.0, torch.ones(2)),
+        collections.defaultdict(list, {"k": [1]}),
+    ],
 }
 SAMPLE_BYTES = encode(SAMPLE)
 
@@ -810,9 +830,16 @@ def test_sample_state_round_trips():
 
 _ext = st.builds(msgpack.ExtType, st.integers(0, 40), st.binary(max_size=20))
 _native_leaves = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=5),
-    st.binary(max_size=10), _ext, st.sampled_from(["float32", "uint8", "<f4", "list", "test_codec",
-                                                   "Color", "tests.codec.Point", "", "cpu"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=5),
+    st.binary(max_size=10),
+    _ext,
+    st.sampled_from(
+        ["float32", "uint8", "<f4", "list", "test_codec", "Color", "tests.codec.Point", "", "cpu"]
+    ),
     st.integers(-2, 200),
 )
 

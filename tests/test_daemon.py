@@ -29,10 +29,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import free_port
-from resilient_ckpt.memory import checksum
 from resilient_ckpt.errors import NoReplicaError, ReplicationError, StoreFullError
+from resilient_ckpt.memory import checksum
+from resilient_ckpt.memory.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
 from resilient_ckpt.replication.placement import ring_placement
-from resilient_ckpt.service.wire.auth import Authenticator, generate_secret, write_secret_file
 from resilient_ckpt.service.client import (
     DaemonClient,
     DaemonError,
@@ -47,10 +47,13 @@ from resilient_ckpt.service.daemon import (
     DaemonConfig,
     JsonFormatter,
     holder_nodes,
-    main as daemon_main,
     parse_bytes,
     parse_peers,
 )
+from resilient_ckpt.service.daemon import (
+    main as daemon_main,
+)
+from resilient_ckpt.service.replicator import ServiceReplicator
 from resilient_ckpt.service.wire import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -63,8 +66,7 @@ from resilient_ckpt.service.wire import (
     recv,
     send,
 )
-from resilient_ckpt.service.replicator import ServiceReplicator
-from resilient_ckpt.memory.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
+from resilient_ckpt.service.wire.auth import Authenticator, generate_secret, write_secret_file
 
 SESSION = "svc-test"
 SECRET = generate_secret()
@@ -87,19 +89,33 @@ def publish_checkpoint(
     """Publish a checkpoint the way CheckpointManager does: reserve, write tensors, claim,
     checksum, publish the header last. A few tensors of different dtypes, random bytes."""
     gen = torch.Generator().manual_seed(seed if seed is not None else iteration * 1000 + owner)
-    shapes = [(torch.float32, (nbytes // 8,)), (torch.int64, (max(1, nbytes // 32),)), (torch.uint8, (nbytes // 4,))]
+    shapes = [
+        (torch.float32, (nbytes // 8,)),
+        (torch.int64, (max(1, nbytes // 32),)),
+        (torch.uint8, (nbytes // 4,)),
+    ]
     layouts, total = plan_layout(shapes)
     seg = store.reserve(total)
     for lay in layouts:
         raw = torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8, generator=gen)
-        seg.buffer[lay.offset:lay.offset + lay.nbytes].copy_(raw)
+        seg.buffer[lay.offset : lay.offset + lay.nbytes].copy_(raw)
     store.claim(seg, iteration, owner)
     mv = checksum.byte_view(seg.buffer)
-    layouts = [replace(l, checksum=checksum.digest(mv[l.offset:l.offset + l.nbytes])) for l in layouts]
+    layouts = [replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in layouts]
     header = CheckpointHeader(
-        session=store.session, iteration=iteration, owner=owner, world_size=world_size, tensors=tuple(layouts),
-        data_nbytes=total, meta=b"hollow-state-dict",
-        replication={"kind": "ring", "factor": factor, "jump": ranks_per_node, "ranks_per_node": ranks_per_node},
+        session=store.session,
+        iteration=iteration,
+        owner=owner,
+        world_size=world_size,
+        tensors=tuple(layouts),
+        data_nbytes=total,
+        meta=b"hollow-state-dict",
+        replication={
+            "kind": "ring",
+            "factor": factor,
+            "jump": ranks_per_node,
+            "ranks_per_node": ranks_per_node,
+        },
     )
     store.publish(seg, header)
     seg.close()
@@ -151,12 +167,24 @@ class Cluster:
         per_node = overrides.pop("per_node", {})
         self.daemons: List[Daemon] = []
         for i in range(n):
-            kw = dict(peer_timeout_s=3.0, inbound_timeout_s=5.0, retries=1, chunk_bytes=64 << 10,
-                      credit_bytes=256 << 10, ping_interval_s=0.5, keep_last=None)
+            kw = dict(
+                peer_timeout_s=3.0,
+                inbound_timeout_s=5.0,
+                retries=1,
+                chunk_bytes=64 << 10,
+                credit_bytes=256 << 10,
+                ping_interval_s=0.5,
+                keep_last=None,
+            )
             kw.update(overrides)
             kw.update(per_node.get(i, {}))
-            cfg = DaemonConfig(store_root=str(self.root(i)), bind=self.eps[i], node_id=i,
-                               peers={j: e for j, e in self.eps.items() if j != i}, **kw)
+            cfg = DaemonConfig(
+                store_root=str(self.root(i)),
+                bind=self.eps[i],
+                node_id=i,
+                peers={j: e for j, e in self.eps.items() if j != i},
+                **kw,
+            )
             self.daemons.append(Daemon(cfg, AUTH).start())
 
     def root(self, i: int) -> Path:
@@ -183,32 +211,68 @@ def cluster2(tmp_path):
 
 def commit(client: DaemonClient, store: CheckpointStore, header: CheckpointHeader, wait_s: float = 0.0):
     raw = store.header_path(header.id).read_bytes()
-    return client.commit(header.iteration, header.owner, header.world_size, header_digest(raw),
-                         total_bytes=header.data_nbytes, wait_s=wait_s)
+    return client.commit(
+        header.iteration,
+        header.owner,
+        header.world_size,
+        header_digest(raw),
+        total_bytes=header.data_nbytes,
+        wait_s=wait_s,
+    )
 
 
 class DaemonProcess:
     """A real ``resilient-ckpt serve`` process (python -m resilient_ckpt.service.daemon)."""
 
-    def __init__(self, node_id: int, root: Path, endpoint: str, peers: Dict[int, str], secret_file: Path,
-                 log_dir: Path, *args: str, env: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        node_id: int,
+        root: Path,
+        endpoint: str,
+        peers: Dict[int, str],
+        secret_file: Path,
+        log_dir: Path,
+        *args: str,
+        env: Optional[Dict[str, str]] = None,
+    ):
         self.node_id, self.root, self.endpoint, self.peers = node_id, Path(root), endpoint, dict(peers)
-        self.secret_file, self.log_dir, self.args, self.env = secret_file, Path(log_dir), list(args), dict(env or {})
+        self.secret_file, self.log_dir, self.args, self.env = (
+            secret_file,
+            Path(log_dir),
+            list(args),
+            dict(env or {}),
+        )
         self.proc: Optional[subprocess.Popen] = None
         self.starts = 0
 
     def start(self, *extra: str, env: Optional[Dict[str, str]] = None) -> "DaemonProcess":
         self.starts += 1
         self.log_path = self.log_dir / f"daemon{self.node_id}.{self.starts}.log"
-        cmd = [sys.executable, "-m", "resilient_ckpt.service.daemon", "--store-root", str(self.root),
-               "--bind", self.endpoint, "--node-id", str(self.node_id), "--secret-file", str(self.secret_file),
-               "--log-format", "json", *self.args, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "resilient_ckpt.service.daemon",
+            "--store-root",
+            str(self.root),
+            "--bind",
+            self.endpoint,
+            "--node-id",
+            str(self.node_id),
+            "--secret-file",
+            str(self.secret_file),
+            "--log-format",
+            "json",
+            *self.args,
+            *extra,
+        ]
         peers = ",".join(f"{n}={e}" for n, e in sorted(self.peers.items()) if n != self.node_id)
         if peers:
             cmd += ["--peers", peers]
         full_env = {**os.environ, **self.env, **(env or {})}
         # stderr to a file: a pipe nobody reads would block the daemon once full
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), env=full_env
+        )
         return self
 
     def client(self, session: str = SESSION, **kw) -> DaemonClient:
@@ -252,13 +316,26 @@ class DaemonProcess:
 class ProcessCluster:
     """Daemon processes for nodes 0..n-1 on loopback, sharing one secret file."""
 
-    def __init__(self, tmp: Path, n: int, *args: str, env_by_node: Optional[Dict[int, Dict[str, str]]] = None):
+    def __init__(
+        self, tmp: Path, n: int, *args: str, env_by_node: Optional[Dict[int, Dict[str, str]]] = None
+    ):
         self.tmp = Path(tmp)
         self.secret_file = self.tmp / "secret"
         write_secret_file(self.secret_file, SECRET)
         self.eps = endpoints(n)
-        self.nodes = [DaemonProcess(i, self.tmp / f"node{i}", self.eps[i], self.eps, self.secret_file, self.tmp,
-                                    *args, env=(env_by_node or {}).get(i)) for i in range(n)]
+        self.nodes = [
+            DaemonProcess(
+                i,
+                self.tmp / f"node{i}",
+                self.eps[i],
+                self.eps,
+                self.secret_file,
+                self.tmp,
+                *args,
+                env=(env_by_node or {}).get(i),
+            )
+            for i in range(n)
+        ]
 
     def start(self) -> "ProcessCluster":
         for d in self.nodes:
@@ -301,8 +378,15 @@ def test_peers_parse_from_a_spec_and_from_a_file(tmp_path):
     assert parse_peers(str(f)) == {0: "tcp://a:1", 1: "tcp://b:2"}
 
 
-@pytest.mark.parametrize("bad,why", [("0=http://a:1", "tcp://HOST:PORT"), ("x=tcp://a:1", "not a non-negative"),
-                                     ("0=tcp://a:1,0=tcp://b:2", "listed twice"), ("tcp://a:1", "ID=ENDPOINT")])
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ("0=http://a:1", "tcp://HOST:PORT"),
+        ("x=tcp://a:1", "not a non-negative"),
+        ("0=tcp://a:1,0=tcp://b:2", "listed twice"),
+        ("tcp://a:1", "ID=ENDPOINT"),
+    ],
+)
 def test_bad_peer_specs_name_the_problem(bad, why):
     import argparse
 
@@ -313,8 +397,14 @@ def test_bad_peer_specs_name_the_problem(bad, why):
 def test_holder_nodes_follow_the_ring_placement():
     world, rpn = 8, 2
     store_header = lambda owner: CheckpointHeader(  # noqa: E731
-        session="s", iteration=1, owner=owner, world_size=world, tensors=(), data_nbytes=0,
-        replication={"kind": "ring", "factor": 3, "jump": rpn, "ranks_per_node": rpn})
+        session="s",
+        iteration=1,
+        owner=owner,
+        world_size=world,
+        tensors=(),
+        data_nbytes=0,
+        replication={"kind": "ring", "factor": 3, "jump": rpn, "ranks_per_node": rpn},
+    )
     placement = ring_placement(world, 3, rpn, rpn)
     for owner in range(world):
         nodes = holder_nodes(store_header(owner))
@@ -338,8 +428,15 @@ def test_an_iteration_is_complete_only_when_every_rank_is_held_somewhere():
 
 def test_recovery_plan_takes_the_newest_complete_iteration_of_this_nodes_ranks():
     # node 1 (ranks 2, 3) was replaced; iteration 20 is complete across nodes 0 and 2
-    hs = [_h(10, o, 0) for o in range(6)] + [_h(20, 0, 0), _h(20, 1, 0), _h(20, 2, 0), _h(20, 3, 2),
-                                            _h(20, 4, 2), _h(20, 5, 2), _h(20, 2, 2)]
+    hs = [_h(10, o, 0) for o in range(6)] + [
+        _h(20, 0, 0),
+        _h(20, 1, 0),
+        _h(20, 2, 0),
+        _h(20, 3, 2),
+        _h(20, 4, 2),
+        _h(20, 5, 2),
+        _h(20, 2, 2),
+    ]
     hs = [replace(h, world_size=6) for h in hs]
     plan = plan_recovery(hs, node_id=1)
     assert plan.iteration == 20 and plan.owners == (2, 3)
@@ -370,10 +467,16 @@ def test_recovery_plan_only_names_nodes_that_hold_the_owner(nodes, rpn, data):
     for owner, srcs in plan.sources:
         assert owner // rpn == me and srcs
         assert all(_h(plan.iteration, owner, n, world=world, rpn=rpn) in holdings and n != me for n in srcs)
-    mine_elsewhere = {o for o in range(me * rpn, (me + 1) * rpn)
-                      if any(h.owner == o and h.iteration == plan.iteration and h.node != me for h in holdings)}
-    mine_here = {o for o in range(me * rpn, (me + 1) * rpn)
-                 if any(h.owner == o and h.iteration == plan.iteration and h.node == me for h in holdings)}
+    mine_elsewhere = {
+        o
+        for o in range(me * rpn, (me + 1) * rpn)
+        if any(h.owner == o and h.iteration == plan.iteration and h.node != me for h in holdings)
+    }
+    mine_here = {
+        o
+        for o in range(me * rpn, (me + 1) * rpn)
+        if any(h.owner == o and h.iteration == plan.iteration and h.node == me for h in holdings)
+    }
     assert set(plan.owners) == mine_elsewhere - mine_here or set(plan.owners) <= mine_elsewhere
 
 
@@ -392,7 +495,9 @@ def test_commit_replicates_to_the_holder_node_bit_exact(cluster2):
         state = commit(c, store0, header, wait_s=10)
     assert state.state == "replicated" and state.holders == (1,) and state.acked == (1,)
     assert state.bytes_out == header.data_nbytes
-    assert checkpoint_files(cluster2.root(1), SESSION, 10, 0) == checkpoint_files(cluster2.root(0), SESSION, 10, 0)
+    assert checkpoint_files(cluster2.root(1), SESSION, 10, 0) == checkpoint_files(
+        cluster2.root(0), SESSION, 10, 0
+    )
     with cluster2.client(1) as c1:
         (h,) = c1.list()
     assert (h.iteration, h.owner, h.replica, h.node) == (10, 0, True, 1)
@@ -443,7 +548,9 @@ def test_commit_with_a_stale_header_digest_is_refused(cluster2):
 
 
 def test_a_replica_is_invisible_until_its_last_byte_arrives(tmp_path):
-    c = Cluster(tmp_path, 2, per_node={1: {"faults": {"hold_inbound_after_chunks": 2}, "inbound_timeout_s": 60}})
+    c = Cluster(
+        tmp_path, 2, per_node={1: {"faults": {"hold_inbound_after_chunks": 2}, "inbound_timeout_s": 60}}
+    )
     try:
         store0 = c.store(0)
         header = publish_checkpoint(store0, 10, 0, 4, ranks_per_node=2, nbytes=2_000_000)
@@ -462,8 +569,13 @@ def test_a_replica_is_invisible_until_its_last_byte_arrives(tmp_path):
 
 
 def test_a_stalled_incoming_transfer_is_dropped_after_the_inbound_timeout(tmp_path):
-    c = Cluster(tmp_path, 2, per_node={1: {"faults": {"hold_inbound_after_chunks": 1}, "inbound_timeout_s": 0.5}},
-                retries=0, peer_timeout_s=30)
+    c = Cluster(
+        tmp_path,
+        2,
+        per_node={1: {"faults": {"hold_inbound_after_chunks": 1}, "inbound_timeout_s": 0.5}},
+        retries=0,
+        peer_timeout_s=30,
+    )
     try:
         store0 = c.store(0)
         header = publish_checkpoint(store0, 10, 0, 4, ranks_per_node=2, nbytes=2_000_000)
@@ -523,7 +635,9 @@ def test_fetch_pulls_a_checkpoint_from_a_named_peer_bit_exact(cluster2):
         assert (got.already, got.source_node, got.total_bytes) == (False, 1, header.data_nbytes)
         again = c0.fetch(7, 2, from_node=1)
         assert again.already
-    assert checkpoint_files(cluster2.root(0), SESSION, 7, 2) == checkpoint_files(cluster2.root(1), SESSION, 7, 2)
+    assert checkpoint_files(cluster2.root(0), SESSION, 7, 2) == checkpoint_files(
+        cluster2.root(1), SESSION, 7, 2
+    )
     reader = cluster2.store(0).open(header.id)
     assert reader.verify() == []
 
@@ -577,18 +691,34 @@ def test_status_reports_node_store_peers_and_counters(cluster2):
     assert isinstance(st_["counters"], dict) and isinstance(st_["rejected"], dict)
 
 
-def test_a_fetch_requester_that_stops_granting_credit_holds_one_window_then_loses_the_stream(tmp_path, caplog):
+def test_a_fetch_requester_that_stops_granting_credit_holds_one_window_then_loses_the_stream(
+    tmp_path, caplog
+):
     caplog.set_level(logging.INFO, logger="resilient_ckpt.daemon")
     c = Cluster(tmp_path, 1, peer_timeout_s=0.5)
     try:
         header = publish_checkpoint(c.store(0), 7, 0, 2, ranks_per_node=1, nbytes=2_000_000)
         peer = RawPeer(c.eps[0])
         window = 256 << 10
-        peer.send(Message(type=MessageType.HELLO, session=SESSION, sender="slow-reader", req_id=1,
-                          body={"min_version": 1, "max_version": 1, "role": "daemon", "credit_bytes": window}))
+        peer.send(
+            Message(
+                type=MessageType.HELLO,
+                session=SESSION,
+                sender="slow-reader",
+                req_id=1,
+                body={"min_version": 1, "max_version": 1, "role": "daemon", "credit_bytes": window},
+            )
+        )
         assert peer.recv().type is MessageType.HELLO_OK
-        peer.send(Message(type=MessageType.FETCH, session=SESSION, sender="slow-reader", req_id=2,
-                          body={"iteration": 7, "owner_rank": 0, "max_chunk_bytes": 64 << 10}))
+        peer.send(
+            Message(
+                type=MessageType.FETCH,
+                session=SESSION,
+                sender="slow-reader",
+                req_id=2,
+                body={"iteration": 7, "owner_rank": 0, "max_chunk_bytes": 64 << 10},
+            )
+        )
         begin = peer.recv()
         assert begin.type is MessageType.REPLICATE_BEGIN and begin.body["total_bytes"] == header.data_nbytes
         received = 0
@@ -601,8 +731,10 @@ def test_a_fetch_requester_that_stops_granting_credit_holds_one_window_then_lose
         assert received == window  # one credit window, no more
         with c.client(0) as cl:
             wait_for(lambda: not cl.status()["serving"], what="the stalled stream to be dropped")
-        assert any(getattr(r, "event", None) == "fetch_aborted" and "stopped reading" in r.fields["reason"]
-                   for r in caplog.records)
+        assert any(
+            getattr(r, "event", None) == "fetch_aborted" and "stopped reading" in r.fields["reason"]
+            for r in caplog.records
+        )
         peer.close()
     finally:
         c.stop()
@@ -619,8 +751,12 @@ def test_a_recovering_daemon_reports_nothing_to_restore_for_a_fresh_job(tmp_path
 
 
 def test_recovery_without_any_peer_fails_at_once_and_says_why(tmp_path):
-    d = Daemon(DaemonConfig(store_root=str(tmp_path / "n"), bind=f"tcp://127.0.0.1:{free_port()}", node_id=1,
-                            recover=SESSION), AUTH).start()
+    d = Daemon(
+        DaemonConfig(
+            store_root=str(tmp_path / "n"), bind=f"tcp://127.0.0.1:{free_port()}", node_id=1, recover=SESSION
+        ),
+        AUTH,
+    ).start()
     try:
         with DaemonClient(d.endpoint, SESSION, AUTH, timeout_s=5) as c:
             with pytest.raises(ReplicationError, match="--peers"):
@@ -663,8 +799,10 @@ def test_retention_keeps_the_newest_complete_iterations_on_every_node(tmp_path):
         _save_iteration(c, 20)
         publish_checkpoint(c.store(0), 30, 0, 4, ranks_per_node=2)  # incomplete, newer: kept
         for node in (0, 1):
-            wait_for(lambda: {i.iteration for i in c.store(node).list()} <= {20, 30},
-                     what=f"iteration 10 retired on node {node}")
+            wait_for(
+                lambda node=node: {i.iteration for i in c.store(node).list()} <= {20, 30},
+                what=f"iteration 10 retired on node {node}",
+            )
         assert {i.iteration for i in c.store(0).list()} == {20, 30}
         assert len([i for i in c.store(1).list() if i.iteration == 20]) == 4  # own 2 + replicas 2
     finally:
@@ -681,7 +819,9 @@ def test_retention_keeps_everything_while_completeness_cannot_be_checked(tmp_pat
         with c.client(0) as c0:
             passes = c0.status()["counters"].get("retention_passes", 0)
             c.daemons[0]._retention_due.set()  # what a stored replica or a finished push does
-            wait_for(lambda: c0.status()["counters"].get("retention_passes", 0) > passes, what="a retention pass")
+            wait_for(
+                lambda: c0.status()["counters"].get("retention_passes", 0) > passes, what="a retention pass"
+            )
         # node 1 does not answer: iteration 20 cannot be shown complete, so 10 stays
         assert {i.iteration for i in c.store(0).list()} == {10, 20}
     finally:
@@ -706,8 +846,12 @@ def test_orphan_data_is_recycled_at_start(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (store.free_dir / f"rsv_{dead.pid}_1_0.data").write_bytes(b"x" * 4096)  # a reservation of a dead process
-    d = Daemon(DaemonConfig(store_root=str(tmp_path / "node0"), bind=f"tcp://127.0.0.1:{free_port()}",
-                            orphan_grace_s=0), AUTH).start()
+    d = Daemon(
+        DaemonConfig(
+            store_root=str(tmp_path / "node0"), bind=f"tcp://127.0.0.1:{free_port()}", orphan_grace_s=0
+        ),
+        AUTH,
+    ).start()
     try:
         assert not store.data_path(header.id).exists()
         names = [p.name for p in store.free_dir.iterdir()]
@@ -719,8 +863,15 @@ def test_orphan_data_is_recycled_at_start(tmp_path):
 # --------------------------------------------------------------------------- the trainer's side
 
 
-def service_mode_example(client: DaemonClient, store: CheckpointStore, rank: int, world_size: int,
-                         ranks_per_node: int, iteration: int, tensors: Sequence[torch.Tensor]):
+def service_mode_example(
+    client: DaemonClient,
+    store: CheckpointStore,
+    rank: int,
+    world_size: int,
+    ranks_per_node: int,
+    iteration: int,
+    tensors: Sequence[torch.Tensor],
+):
     """What CheckpointManager(mode="service") does on save: publish into the node's store,
     then replicate through the daemon (ServiceReplicator)."""
     layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
@@ -729,18 +880,25 @@ def service_mode_example(client: DaemonClient, store: CheckpointStore, rank: int
     for lay, t in zip(layouts, tensors):
         seg.tensor(lay).copy_(t)
     mv = checksum.byte_view(seg.buffer)
-    layouts = [replace(l, checksum=checksum.digest(mv[l.offset:l.offset + l.nbytes])) for l in layouts]
-    header = CheckpointHeader(session=store.session, iteration=iteration, owner=rank, world_size=world_size,
-                              tensors=tuple(layouts), data_nbytes=total,
-                              replication={"kind": "ring", "factor": 2, "jump": ranks_per_node,
-                                           "ranks_per_node": ranks_per_node})
+    layouts = [replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in layouts]
+    header = CheckpointHeader(
+        session=store.session,
+        iteration=iteration,
+        owner=rank,
+        world_size=world_size,
+        tensors=tuple(layouts),
+        data_nbytes=total,
+        replication={"kind": "ring", "factor": 2, "jump": ranks_per_node, "ranks_per_node": ranks_per_node},
+    )
     store.publish(seg, header)
     result = ServiceReplicator(client, store, rank).replicate(header, seg)
     seg.close()
     return header, result
 
 
-def service_mode_load(client: DaemonClient, store: CheckpointStore, iteration: int, owner: int) -> List[torch.Tensor]:
+def service_mode_load(
+    client: DaemonClient, store: CheckpointStore, iteration: int, owner: int
+) -> List[torch.Tensor]:
     """What the manager does on load in service mode: fetch through the daemon when this node
     does not hold the id, then read it from the local store (checksums verified)."""
     cid = CheckpointId(iteration, owner, store.session)
@@ -788,7 +946,9 @@ def test_a_request_to_no_daemon_times_out_and_says_what_to_check(tmp_path):
 
 
 def test_a_client_with_the_wrong_secret_gets_no_answer(cluster2):
-    with DaemonClient(cluster2.eps[0], SESSION, Authenticator(generate_secret()), timeout_s=0.3, retries=0) as c:
+    with DaemonClient(
+        cluster2.eps[0], SESSION, Authenticator(generate_secret()), timeout_s=0.3, retries=0
+    ) as c:
         with pytest.raises(PeerTimeout):
             c.status()
     assert cluster2.daemons[0].rejects["auth"] >= 1
@@ -834,7 +994,9 @@ class RawPeer:
 
 
 def _status_msg(session=SESSION, **kw) -> Message:
-    return Message(type=MessageType.STATUS, session=session, sender="tester", req_id=kw.pop("req_id", 7), **kw)
+    return Message(
+        type=MessageType.STATUS, session=session, sender="tester", req_id=kw.pop("req_id", 7), **kw
+    )
 
 
 def test_unauthenticated_garbage_is_dropped_counted_and_never_answered(cluster2):
@@ -893,9 +1055,19 @@ def test_authenticated_invalid_requests_are_answered_with_an_error_and_counted(t
     c = Cluster(tmp_path, 1, sessions=frozenset({SESSION}))
     try:
         msg = build()
-        header = msgpack.packb({"version": msg.version, "type": int(msg.type), "session": msg.session,
-                                "sender": msg.sender, "req_id": 5, "nonce": os.urandom(16), "ts": time.time_ns(),
-                                "body": dict(msg.body)}, use_bin_type=True)
+        header = msgpack.packb(
+            {
+                "version": msg.version,
+                "type": int(msg.type),
+                "session": msg.session,
+                "sender": msg.sender,
+                "req_id": 5,
+                "nonce": os.urandom(16),
+                "ts": time.time_ns(),
+                "body": dict(msg.body),
+            },
+            use_bin_type=True,
+        )
         peer = RawPeer(c.eps[0])
         peer.send_frames([header, AUTH.sign(header, [])])
         reply = peer.recv()
@@ -908,9 +1080,19 @@ def test_authenticated_invalid_requests_are_answered_with_an_error_and_counted(t
 
 
 def test_an_unsupported_version_is_answered_with_unsupported_version(cluster2):
-    header = msgpack.packb({"version": PROTOCOL_VERSION + 7, "type": int(MessageType.STATUS), "session": SESSION,
-                            "sender": "future", "req_id": 3, "nonce": os.urandom(16), "ts": time.time_ns(),
-                            "body": {}}, use_bin_type=True)
+    header = msgpack.packb(
+        {
+            "version": PROTOCOL_VERSION + 7,
+            "type": int(MessageType.STATUS),
+            "session": SESSION,
+            "sender": "future",
+            "req_id": 3,
+            "nonce": os.urandom(16),
+            "ts": time.time_ns(),
+            "body": {},
+        },
+        use_bin_type=True,
+    )
     peer = RawPeer(cluster2.eps[0])
     try:
         peer.send_frames([header, AUTH.sign(header, [])])
@@ -922,9 +1104,19 @@ def test_an_unsupported_version_is_answered_with_unsupported_version(cluster2):
 
 
 def test_an_unknown_message_type_is_answered_with_unknown_type(cluster2):
-    header = msgpack.packb({"version": PROTOCOL_VERSION, "type": 200, "session": SESSION, "sender": "x",
-                            "req_id": 4, "nonce": os.urandom(16), "ts": time.time_ns(), "body": {}},
-                           use_bin_type=True)
+    header = msgpack.packb(
+        {
+            "version": PROTOCOL_VERSION,
+            "type": 200,
+            "session": SESSION,
+            "sender": "x",
+            "req_id": 4,
+            "nonce": os.urandom(16),
+            "ts": time.time_ns(),
+            "body": {},
+        },
+        use_bin_type=True,
+    )
     peer = RawPeer(cluster2.eps[0])
     try:
         peer.send_frames([header, AUTH.sign(header, [])])
@@ -937,9 +1129,16 @@ def test_a_chunk_without_a_transfer_is_refused_once_and_then_ignored(cluster2):
     peer = RawPeer(cluster2.eps[0])
     try:
         for i in range(3):
-            peer.send(Message(type=MessageType.REPLICATE_CHUNK, session=SESSION, sender="node-9", req_id=11,
-                              body={"iteration": 1, "owner_rank": 0, "index": i, "offset": i * 4, "checksum": 0},
-                              frames=(b"abcd",)))
+            peer.send(
+                Message(
+                    type=MessageType.REPLICATE_CHUNK,
+                    session=SESSION,
+                    sender="node-9",
+                    req_id=11,
+                    body={"iteration": 1, "owner_rank": 0, "index": i, "offset": i * 4, "checksum": 0},
+                    frames=(b"abcd",),
+                )
+            )
         reply = peer.recv()
         assert reply.type is MessageType.ERROR and reply.body["code"] == "NOT_FOUND"
         with pytest.raises(PeerTimeout):
@@ -953,12 +1152,32 @@ def test_a_corrupted_chunk_aborts_the_transfer_without_publishing(cluster2):
     peer = RawPeer(cluster2.eps[0])
     try:
         data = b"z" * 1000
-        peer.send(Message(type=MessageType.REPLICATE_BEGIN, session=SESSION, sender="node-1", req_id=12,
-                          body={"iteration": 1, "owner_rank": 2, "world_size": 4, "total_bytes": 1000,
-                                "chunk_bytes": 1000, "num_chunks": 1}))
-        peer.send(Message(type=MessageType.REPLICATE_CHUNK, session=SESSION, sender="node-1", req_id=12,
-                          body={"iteration": 1, "owner_rank": 2, "index": 0, "offset": 0, "checksum": 12345},
-                          frames=(data,)))
+        peer.send(
+            Message(
+                type=MessageType.REPLICATE_BEGIN,
+                session=SESSION,
+                sender="node-1",
+                req_id=12,
+                body={
+                    "iteration": 1,
+                    "owner_rank": 2,
+                    "world_size": 4,
+                    "total_bytes": 1000,
+                    "chunk_bytes": 1000,
+                    "num_chunks": 1,
+                },
+            )
+        )
+        peer.send(
+            Message(
+                type=MessageType.REPLICATE_CHUNK,
+                session=SESSION,
+                sender="node-1",
+                req_id=12,
+                body={"iteration": 1, "owner_rank": 2, "index": 0, "offset": 0, "checksum": 12345},
+                frames=(data,),
+            )
+        )
         reply = peer.recv()
         assert reply.body["code"] == "CHECKSUM_MISMATCH" and "chunk 0" in reply.body["message"]
         assert cluster2.store(0).list() == []
@@ -999,8 +1218,13 @@ def test_metrics_endpoint_exports_replication_and_rejection_counters(tmp_path):
         assert f'resilient_ckpt_replicated_bytes_total{{direction="out"}} {float(header.data_nbytes)}' in text
         assert 'resilient_ckpt_replications_total{result="ok"} 1.0' in text
         assert 'resilient_ckpt_rejected_messages_total{reason="malformed"} 1.0' in text
-        for name in ("resilient_ckpt_store_bytes", "resilient_ckpt_checkpoints_held", "resilient_ckpt_peers_up",
-                     "resilient_ckpt_replication_seconds_bucket", "resilient_ckpt_fetches_served_total"):
+        for name in (
+            "resilient_ckpt_store_bytes",
+            "resilient_ckpt_checkpoints_held",
+            "resilient_ckpt_peers_up",
+            "resilient_ckpt_replication_seconds_bucket",
+            "resilient_ckpt_fetches_served_total",
+        ):
             assert name in text
     finally:
         c.stop()
@@ -1024,11 +1248,24 @@ def test_daemons_find_each_other_through_a_tcpstore(tmp_path):
     from torch.distributed import TCPStore
 
     port = free_port()
-    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    master = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     eps = endpoints(2)
-    daemons = [Daemon(DaemonConfig(store_root=str(tmp_path / f"node{i}"), bind=eps[i], node_id=i,
-                                   discover=f"127.0.0.1:{port}", ping_interval_s=0.2, peer_timeout_s=3), AUTH).start()
-               for i in range(2)]
+    daemons = [
+        Daemon(
+            DaemonConfig(
+                store_root=str(tmp_path / f"node{i}"),
+                bind=eps[i],
+                node_id=i,
+                discover=f"127.0.0.1:{port}",
+                ping_interval_s=0.2,
+                peer_timeout_s=3,
+            ),
+            AUTH,
+        ).start()
+        for i in range(2)
+    ]
     try:
         assert master.get("resilient_ckpt/daemon/1").decode() == eps[1]
         store0 = CheckpointStore(tmp_path / "node0", SESSION)
@@ -1065,8 +1302,20 @@ def test_a_daemon_process_restart_recovers_its_index(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_peer_that_stops_reading_fails_the_replication_in_bounded_time(tmp_path):
-    pc = ProcessCluster(tmp_path, 2, "--peer-timeout", "1.5", "--retries", "0", "--chunk-bytes", "256K",
-                        "--credit-bytes", "1M", "--inbound-timeout", "1").start()
+    pc = ProcessCluster(
+        tmp_path,
+        2,
+        "--peer-timeout",
+        "1.5",
+        "--retries",
+        "0",
+        "--chunk-bytes",
+        "256K",
+        "--credit-bytes",
+        "1M",
+        "--inbound-timeout",
+        "1",
+    ).start()
     try:
         store0 = CheckpointStore(tmp_path / "node0", SESSION)
         header = publish_checkpoint(store0, 10, 0, 4, ranks_per_node=2, nbytes=8_000_000)

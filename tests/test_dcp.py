@@ -10,21 +10,21 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from harness import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
+from harness import run_ranks
 from resilient_ckpt import ShardedObject, ShardedTensor
+from resilient_ckpt.errors import CodecError, CorruptCheckpointError, ValidationError
+from resilient_ckpt.model.validation import shard_record
+from resilient_ckpt.parallel.distribution import compute_distribution, structure_fingerprint
 from resilient_ckpt.persistent.checks import chunk_problems
 from resilient_ckpt.persistent.flatten import flatten_for_save
 from resilient_ckpt.persistent.load_planner import MetadataStateDictLoadPlanner, ResilientLoadPlanner
 from resilient_ckpt.persistent.local_load import load_local, load_metadata_only
 from resilient_ckpt.persistent.save_planner import ResilientSavePlanner
 from resilient_ckpt.persistent.storage import SafeFileSystemReader, read_metadata_file
-from resilient_ckpt.parallel.distribution import compute_distribution, structure_fingerprint
-from resilient_ckpt.errors import CodecError, CorruptCheckpointError, ValidationError
-from resilient_ckpt.model.validation import shard_record
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -127,7 +127,9 @@ def _plans(state_dicts, caching=False):
 
 def _rowshard(key, full, rank, n, replica=0):
     rows = full.shape[0] // n
-    return ShardedTensor.from_rank_offsets(key, full[rank * rows : (rank + 1) * rows], (0, rank, n), replica_id=replica)
+    return ShardedTensor.from_rank_offsets(
+        key, full[rank * rows : (rank + 1) * rows], (0, rank, n), replica_id=replica
+    )
 
 
 def test_global_plan_with_overlapping_shards_fails_naming_key_and_chunks():
@@ -152,7 +154,9 @@ def test_ranks_disagreeing_on_a_keys_dtype_fail_naming_both_ranks():
     a = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, 0, 2))
     b = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4, dtype=torch.float64), (0, 1, 2))
     planners, local = _plans([{"w": a}, {"w": b}])
-    with pytest.raises(ValidationError, match=r"'w': rank 0 saves torch.float32 .* rank 1 saves torch.float64"):
+    with pytest.raises(
+        ValidationError, match=r"'w': rank 0 saves torch.float32 .* rank 1 saves torch.float64"
+    ):
         planners[0].create_global_plan(local)
 
 
@@ -178,7 +182,9 @@ def test_replicas_are_written_once_by_the_rank_the_memory_tier_distribution_choo
     gathered = []
     for sd in per_rank:
         shards = list(sd.values())
-        gathered.append({"shards": [list(shard_record(s)) for s in shards], "fp": structure_fingerprint(shards)})
+        gathered.append(
+            {"shards": [list(shard_record(s)) for s in shards], "fp": structure_fingerprint(shards)}
+        )
     expected = compute_distribution([], gathered=gathered).main_rank_for_shard
     assert planners[0].writer_of_chunk == expected
     written = {(i.index.fqn, tuple(i.index.offset)): r for r, p in enumerate(plans) for i in p.items}
@@ -187,13 +193,15 @@ def test_replicas_are_written_once_by_the_rank_the_memory_tier_distribution_choo
 
 def test_flattening_keys_sharded_tensors_by_key_and_everything_else_by_torchs_path():
     t = torch.ones(2)
-    flat = flatten_for_save({
-        "model": {"layer": ShardedTensor.from_rank_offsets("decoder.layer.w", t)},
-        "plain": {"b": t, "lst": [t, 3]},
-        "obj": ShardedObject("rng", {"s": 1}, (2,), (1,)),
-        "not_mine": ShardedTensor.from_rank_offsets("x", t).without_data(),
-        "opt": {"lr": 0.1, "betas": [0.9, 0.99]},
-    })
+    flat = flatten_for_save(
+        {
+            "model": {"layer": ShardedTensor.from_rank_offsets("decoder.layer.w", t)},
+            "plain": {"b": t, "lst": [t, 3]},
+            "obj": ShardedObject("rng", {"s": 1}, (2,), (1,)),
+            "not_mine": ShardedTensor.from_rank_offsets("x", t).without_data(),
+            "opt": {"lr": 0.1, "betas": [0.9, 0.99]},
+        }
+    )
     assert sorted(e.fqn for e in flat.tensors) == ["decoder.layer.w", "plain.b", "plain.lst.0"]
     # torch's rule: dicts are always descended, lists only when they hold tensors.
     assert sorted(e.fqn for e in flat.values) == ["opt.betas", "opt.lr", "plain.lst.1", "rng/shard_1_2"]
@@ -211,8 +219,11 @@ def test_two_leaves_flattening_to_one_key_are_refused():
 
 def test_checkpoint_written_by_torch_dcp_save_loads_through_our_planner(tmp_path):
     w = torch.randn(4, 6)
-    dcp.save({"model": {"w": w, "b": torch.arange(3)}, "step": 5, "cfg": {"name": "x", "ids": [1, 2]}},
-             checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save(
+        {"model": {"w": w, "b": torch.arange(3)}, "step": 5, "cfg": {"name": "x", "ids": [1, 2]}},
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+    )
     template = {
         "model": {
             # Another layout than the one saved: two row pieces held by this process.
@@ -231,8 +242,13 @@ def test_checkpoint_written_by_torch_dcp_save_loads_through_our_planner(tmp_path
 
 def test_our_checkpoint_loads_with_plain_dcp_load(tmp_path):
     model = torch.nn.Linear(5, 3)
-    sd = {"model": {n: ShardedTensor.from_rank_offsets(f"model.{n}", t.detach()) for n, t in model.state_dict().items()},
-          "step": 3}
+    sd = {
+        "model": {
+            n: ShardedTensor.from_rank_offsets(f"model.{n}", t.detach())
+            for n, t in model.state_dict().items()
+        },
+        "step": 3,
+    }
     _save(sd, tmp_path)
     fresh = torch.nn.Linear(5, 3)
     target = {"model": fresh.state_dict()}
@@ -261,7 +277,9 @@ def test_requested_keys_absent_from_the_checkpoint_are_named_unless_partial_load
             "step": None,
         }
 
-    with pytest.raises(ValidationError, match=r"not in the checkpoint: 'also_gone', 'gone'.*allow_partial_load"):
+    with pytest.raises(
+        ValidationError, match=r"not in the checkpoint: 'also_gone', 'gone'.*allow_partial_load"
+    ):
         load_local(template(), SafeFileSystemReader(tmp_path))
     sd = template()
     planner = ResilientLoadPlanner(allow_partial_load=True)
@@ -274,14 +292,18 @@ def test_requested_keys_absent_from_the_checkpoint_are_named_unless_partial_load
 def test_a_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
     _save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(4))}, tmp_path)
     with pytest.raises(ValidationError, match=r"'a': the checkpoint holds global size \[4\].*asks for \[6\]"):
-        load_local({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(6))}, SafeFileSystemReader(tmp_path))
+        load_local(
+            {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(6))}, SafeFileSystemReader(tmp_path)
+        )
 
 
 def test_metadata_only_planner_rebuilds_the_nested_state_dict_without_a_model(tmp_path):
     w = torch.randn(4, 2)
     sd = {
-        "model": {"w0": ShardedTensor("w", w[:2].clone(), torch.float32, (2, 2), (4, 2), (0, 0), None),
-                  "w1": ShardedTensor("w", w[2:].clone(), torch.float32, (2, 2), (4, 2), (2, 0), None)},
+        "model": {
+            "w0": ShardedTensor("w", w[:2].clone(), torch.float32, (2, 2), (4, 2), (0, 0), None),
+            "w1": ShardedTensor("w", w[2:].clone(), torch.float32, (2, 2), (4, 2), (2, 0), None),
+        },
         "extra": {"epoch": 3, "names": ["a"]},
     }
     _save(sd, tmp_path)
@@ -300,8 +322,13 @@ def test_metadata_only_planner_rebuilds_the_nested_state_dict_without_a_model(tm
 
 def test_overlapping_chunks_in_stored_metadata_fail_the_load_naming_key_and_chunks(tmp_path):
     full = torch.arange(8.0).reshape(4, 2)
-    _save({"a": ShardedTensor("w", full[:2].clone(), torch.float32, (2, 2), (4, 2), (0, 0), None),
-           "b": ShardedTensor("w", full[2:].clone(), torch.float32, (2, 2), (4, 2), (2, 0), None)}, tmp_path)
+    _save(
+        {
+            "a": ShardedTensor("w", full[:2].clone(), torch.float32, (2, 2), (4, 2), (0, 0), None),
+            "b": ShardedTensor("w", full[2:].clone(), torch.float32, (2, 2), (4, 2), (2, 0), None),
+        },
+        tmp_path,
+    )
     md = read_metadata_file(tmp_path / ".metadata")
     md.state_dict_metadata["w"].chunks[1] = ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([2, 2]))
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
@@ -312,7 +339,9 @@ def test_overlapping_chunks_in_stored_metadata_fail_the_load_naming_key_and_chun
 def test_a_missing_or_foreign_metadata_file_is_named(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="does not exist"):
         read_metadata_file(tmp_path / "nope" / ".metadata")
-    with pytest.raises(CorruptCheckpointError, match=r"\.metadata is missing: .* is not a complete DCP checkpoint"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"\.metadata is missing: .* is not a complete DCP checkpoint"
+    ):
         load_metadata_only(tmp_path)
     md = Metadata(state_dict_metadata={}, planner_data=NotAllowListed(1))
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
@@ -354,8 +383,11 @@ def _caching(ctx):
     for i, step in ((1, 2), (3, 4)):
         target = {"w": torch.zeros(8, 4), "rep": torch.zeros(3), "step": None}
         load_local(target, SafeFileSystemReader(os.path.join(ctx.tmp_root, f"ckpt{i}")))
-        checks.append(torch.equal(target["w"], state(step)[1]) and torch.equal(target["rep"], torch.full((3,), float(step)))
-                      and target["step"] == step)
+        checks.append(
+            torch.equal(target["w"], state(step)[1])
+            and torch.equal(target["rep"], torch.full((3,), float(step)))
+            and target["step"] == step
+        )
     return received, checks
 
 

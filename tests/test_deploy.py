@@ -22,11 +22,11 @@ import pytest
 import yaml
 
 from harness import free_port
-from resilient_ckpt.service import daemon
-from resilient_ckpt.service.wire.auth import Authenticator, load_secret, write_secret_file
 from resilient_ckpt.cli.service import derive_secret
-from resilient_ckpt.service.client import DaemonClient
 from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
+from resilient_ckpt.service import daemon
+from resilient_ckpt.service.client import DaemonClient
+from resilient_ckpt.service.wire.auth import Authenticator, load_secret, write_secret_file
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -101,10 +101,14 @@ def test_systemd_execstart_with_the_example_environment_is_a_valid_serve_command
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path):
     text = (DEPLOY / "systemd/resilient-ckpt.service").read_text()
     # verify checks that ExecStart's program exists: point it at this checkout's CLI.
-    (tmp_path / "resilient-ckpt.service").write_text(text.replace("/opt/resilient-ckpt/bin/resilient-ckpt", str(CLI)))
+    (tmp_path / "resilient-ckpt.service").write_text(
+        text.replace("/opt/resilient-ckpt/bin/resilient-ckpt", str(CLI))
+    )
     proc = subprocess.run(
         ["systemd-analyze", "verify", str(tmp_path / "resilient-ckpt.service")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert "Unknown" not in proc.stderr and "ignoring" not in proc.stderr, proc.stderr
@@ -144,7 +148,9 @@ def test_daemonset_has_a_sized_memory_backed_dev_shm_the_shared_store_and_a_0600
     ann = ds["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true"
     assert int(ann["prometheus.io/port"]) in [p["containerPort"] for p in c["ports"]]
-    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_daemonset_start_script_finds_its_node_id_and_runs_a_valid_serve_command(tmp_path):
@@ -215,21 +221,31 @@ def slurm_node(tmp_path):
     write_secret_file(tmp_path / "cluster.key")
     port = free_port()
     conf = tmp_path / "slurm.conf"
-    conf.write_text("\n".join([
-        f"RESILIENT_CKPT_BIN={CLI}",
-        f"RESILIENT_CKPT_STORE_ROOT={tmp_path / 'shm'}",
-        f"RESILIENT_CKPT_RUN_DIR={tmp_path / 'run'}",
-        f"RESILIENT_CKPT_CLUSTER_KEY={tmp_path / 'cluster.key'}",
-        f"RESILIENT_CKPT_PORT={port}",
-        "RESILIENT_CKPT_METRICS_PORT=",
-        "RESILIENT_CKPT_LAUNCHER=setsid",
-        "RESILIENT_CKPT_BIND_ADDR=127.0.0.1",
-        "RESILIENT_CKPT_START_TIMEOUT=60",
-    ]) + "\n")
+    conf.write_text(
+        "\n".join(
+            [
+                f"RESILIENT_CKPT_BIN={CLI}",
+                f"RESILIENT_CKPT_STORE_ROOT={tmp_path / 'shm'}",
+                f"RESILIENT_CKPT_RUN_DIR={tmp_path / 'run'}",
+                f"RESILIENT_CKPT_CLUSTER_KEY={tmp_path / 'cluster.key'}",
+                f"RESILIENT_CKPT_PORT={port}",
+                "RESILIENT_CKPT_METRICS_PORT=",
+                "RESILIENT_CKPT_LAUNCHER=setsid",
+                "RESILIENT_CKPT_BIND_ADDR=127.0.0.1",
+                "RESILIENT_CKPT_START_TIMEOUT=60",
+            ]
+        )
+        + "\n"
+    )
     env = dict(
-        os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RESILIENT_CKPT_CONF=str(conf),
-        SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[9-10]", SLURMD_NODENAME="node9",
-        SLURM_JOB_UID=str(os.getuid()), SLURM_JOB_GID=str(os.getgid()),
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RESILIENT_CKPT_CONF=str(conf),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="node[9-10]",
+        SLURMD_NODENAME="node9",
+        SLURM_JOB_UID=str(os.getuid()),
+        SLURM_JOB_GID=str(os.getgid()),
     )
     env.pop("RESILIENT_CKPT_SECRET", None)
     env.pop("RESILIENT_CKPT_SECRET_FILE", None)
@@ -237,7 +253,9 @@ def slurm_node(tmp_path):
 
 
 def _script(name, env, timeout=120):
-    return subprocess.run(["bash", str(DEPLOY / "slurm" / name)], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(DEPLOY / "slurm" / name)], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
@@ -267,7 +285,11 @@ def test_slurm_prolog_starts_the_jobs_daemon_and_the_epilog_stops_it_and_drops_t
         assert stat.S_IMODE((run / "secret").stat().st_mode) == 0o600
         # Every node derives the same job secret from the cluster key; another job gets another.
         key = load_secret(tmp / "cluster.key")
-        assert load_secret(run / "secret") == derive_secret(key, "slurm-4242") != derive_secret(key, "slurm-4243")
+        assert (
+            load_secret(run / "secret")
+            == derive_secret(key, "slurm-4242")
+            != derive_secret(key, "slurm-4243")
+        )
         auth = Authenticator(load_secret(run / "secret"))
         with DaemonClient(f"tcp://127.0.0.1:{port}", "slurm-4242", auth, timeout_s=10, retries=0) as c:
             d = c.status()
@@ -311,7 +333,7 @@ def test_slurm_prolog_starts_nothing_for_jobs_that_did_not_ask_when_opt_in(slurm
 
 # ---- torchrun launcher ------------------------------------------------------------------------------
 
-TRAINER = r'''
+TRAINER = r"""
 import json, os, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -326,7 +348,7 @@ keys = ["TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCH_DISABLE_
 with open(os.path.join(sys.argv[1], f"attempt{attempt}_rank{dist.get_rank()}.json"), "w") as f:
     json.dump({k: os.environ.get(k) for k in keys} | {"sum": t.item()}, f)
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.multiprocess
@@ -334,16 +356,29 @@ def test_torchrun_launcher_restarts_a_crashed_rank_with_gloo_and_binds_the_sessi
     (tmp_path / "train.py").write_text(TRAINER)
     out = tmp_path / "out"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "RESILIENT_CKPT", "TORCHELASTIC"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "RESILIENT_CKPT", "TORCHELASTIC"))
+    }
     env.update(
-        NNODES="1", NPROC_PER_NODE="2", MAX_RESTARTS="1", MONITOR_INTERVAL="0.2", JOB_ID="llama-run7",
-        RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", LOCAL_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-        OMP_NUM_THREADS="1", TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+        NNODES="1",
+        NPROC_PER_NODE="2",
+        MAX_RESTARTS="1",
+        MONITOR_INTERVAL="0.2",
+        JOB_ID="llama-run7",
+        RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+        LOCAL_ADDR="127.0.0.1",
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        TORCHRUN=f"{sys.executable} -m torch.distributed.run",
         RESILIENT_CKPT_STORE_ROOT=str(tmp_path / "shm"),
     )
     proc = subprocess.run(
         ["bash", str(DEPLOY / "torchrun/launch.sh"), "train.py", str(out)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "connectFullMesh" not in proc.stderr

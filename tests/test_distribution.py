@@ -11,6 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import run_ranks
+from resilient_ckpt.errors import ValidationError
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
+from resilient_ckpt.model.validation import shard_record
 from resilient_ckpt.parallel.distribution import (
     ShardDistribution,
     assign_shards,
@@ -20,10 +23,6 @@ from resilient_ckpt.parallel.distribution import (
     rank_loads,
     structure_fingerprint,
 )
-from resilient_ckpt.errors import ValidationError
-from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
-from resilient_ckpt.model.validation import shard_record
-
 
 
 def distribute_shards_to_ranks(*args):
@@ -82,8 +81,14 @@ def test_every_shard_goes_to_one_holder_and_input_order_does_not_matter(case, rn
 def _gpt_like(dp, layers):
     s2r, s2s = {}, {}
     for layer in range(layers):
-        for name, numel in (("qkv", 3 * 2**20), ("proj", 2**20), ("fc1", 2**22), ("fc2", 2**22),
-                            ("ln", 1024), ("bias", 4096)):
+        for name, numel in (
+            ("qkv", 3 * 2**20),
+            ("proj", 2**20),
+            ("fc1", 2**22),
+            ("fc2", 2**22),
+            ("ln", 1024),
+            ("bias", 4096),
+        ):
             for kind in ("param", "exp_avg", "exp_avg_sq", "main"):
                 sid = (f"l{layer}.{name}.{kind}", (0,))
                 s2r[sid], s2s[sid] = list(range(dp)), numel * (2 if kind == "param" else 4)
@@ -139,15 +144,22 @@ def test_distribution_reports_bytes_and_imbalance():
 
 def _shards(rank, world, numel=8):
     # DP replicas of three params plus one rank-unique shard.
-    out = [ShardedTensor.from_rank_offsets(f"p{i}", torch.zeros(numel * (i + 1)), replica_id=rank)
-           for i in range(3)]
+    out = [
+        ShardedTensor.from_rank_offsets(f"p{i}", torch.zeros(numel * (i + 1)), replica_id=rank)
+        for i in range(3)
+    ]
     out.append(ShardedTensor.from_rank_offsets("u", torch.zeros(4), (0, rank, world)))
     return out
 
 
 def _gathered(world):
-    return [{"shards": [list(shard_record(s)) for s in _shards(r, world)],
-             "fp": structure_fingerprint(_shards(r, world))} for r in range(world)]
+    return [
+        {
+            "shards": [list(shard_record(s)) for s in _shards(r, world)],
+            "fp": structure_fingerprint(_shards(r, world)),
+        }
+        for r in range(world)
+    ]
 
 
 def test_compute_distribution_from_gathered_records_dedups_replicas():
@@ -199,9 +211,24 @@ def test_cached_distribution_is_checked_against_structure_and_group():
 
 # ---- collective behaviour on real ranks ---------------------------------------------------
 
-_COLLECTIVES = ("all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-                "broadcast_object_list", "all_reduce", "barrier", "send", "recv", "isend", "irecv",
-                "batch_isend_irecv", "reduce_scatter", "all_to_all", "gather", "scatter")
+_COLLECTIVES = (
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+)
 
 
 def _count_collectives(counts, forbid=False):
@@ -219,8 +246,12 @@ def _count_collectives(counts, forbid=False):
 
 
 def _state(rank, world, step):
-    sd = {f"p{i}": ShardedTensor.from_rank_offsets(f"p{i}", torch.full((16 * (i + 1),), float(step)),
-                                                   replica_id=rank) for i in range(6)}
+    sd = {
+        f"p{i}": ShardedTensor.from_rank_offsets(
+            f"p{i}", torch.full((16 * (i + 1),), float(step)), replica_id=rank
+        )
+        for i in range(6)
+    }
     sd["u"] = ShardedTensor.from_rank_offsets("u", torch.full((4,), float(rank)), (0, rank, world))
     sd["rng"] = ShardedObject("rng", {"seed": rank}, (world,), (rank,))
     sd["step"] = step

@@ -100,9 +100,7 @@ def _node_listing(root: str, keep: Path):
     created later can never reuse the number and pass for a recycled segment.
     """
     d = Path(root) / SESSION
-    ids = sorted(
-        (int(p.name[5:25]), int(p.name[32:38])) for p in d.iterdir() if p.name.endswith(".hdr")
-    )
+    ids = sorted((int(p.name[5:25]), int(p.name[32:38])) for p in d.iterdir() if p.name.endswith(".hdr"))
     keep.mkdir(exist_ok=True)
     while True:
         # The managers' prefetchers may rename a pooled segment (seg_* -> rsv_*) at any time
@@ -202,8 +200,9 @@ def _load_only(ctx, kw=None):
 @pytest.fixture(scope="module")
 def node_loss(saved_job, tmp_path_factory):
     root = _copy_stores(saved_job[0], tmp_path_factory.mktemp("nodeloss") / "job")
-    restart = run_ranks(_restart_then_lose_node1, WS, root, ranks_per_node=RPN, args=(str(root),),
-                        expect_killed=[2, 3], **RUN)
+    restart = run_ranks(
+        _restart_then_lose_node1, WS, root, ranks_per_node=RPN, args=(str(root),), expect_killed=[2, 3], **RUN
+    )
     shutil.rmtree(node_store_root(root, 1))  # the node's memory is gone with it
     after = run_ranks(_load_only, WS, root, ranks_per_node=RPN, **RUN)
     restart = [json.loads((root / f"restart_{r}.json").read_text()) for r in range(WS)]
@@ -213,7 +212,13 @@ def node_loss(saved_job, tmp_path_factory):
 def test_process_restart_restores_every_rank_from_its_own_node(node_loss):
     restart, _ = node_loss
     for r in range(WS):
-        assert restart[r] == {"iteration": 50, "exact": True, "source": "local", "failed_copies": [], "attempts": 1}
+        assert restart[r] == {
+            "iteration": 50,
+            "exact": True,
+            "source": "local",
+            "failed_copies": [],
+            "attempts": 1,
+        }
 
 
 def test_losing_a_node_restores_its_ranks_from_replicas_bit_exactly(node_loss):
@@ -329,8 +334,15 @@ def killed_mid_save(tmp_path_factory):
     root = tmp_path_factory.mktemp("killed")
     runs = []
     for i, (point, victim) in enumerate(KILLS):
-        res = run_ranks(_save_with_kill, WS, root, ranks_per_node=RPN, args=(point, victim, i > 0),
-                        expect_killed=[victim], **RUN)
+        res = run_ranks(
+            _save_with_kill,
+            WS,
+            root,
+            ranks_per_node=RPN,
+            args=(point, victim, i > 0),
+            expect_killed=[victim],
+            **RUN,
+        )
         runs.append(res)
     final = run_ranks(_resave_after_restart, WS, root, ranks_per_node=RPN, **RUN)
     return runs, final
@@ -338,10 +350,14 @@ def killed_mid_save(tmp_path_factory):
 
 def test_rank_killed_mid_save_leaves_the_previous_iteration_latest_for_the_restarted_job(killed_mid_save):
     runs, final = killed_mid_save
-    restarts = [[r["load"] for r in res if r is not KILLED] for res in runs[1:]] + [[f["load"] for f in final]]
+    restarts = [[r["load"] for r in res if r is not KILLED] for res in runs[1:]] + [
+        [f["load"] for f in final]
+    ]
     for i, loads in enumerate(restarts):  # the restart after each of the kills in KILLS
-        assert all(l == {"iteration": 10, "exact": True, "source": "local", "failed_copies": [], "attempts": 1}
-                   for l in loads), KILLS[i]
+        assert all(
+            l == {"iteration": 10, "exact": True, "source": "local", "failed_copies": [], "attempts": 1}
+            for l in loads
+        ), KILLS[i]
 
 
 def test_survivors_of_a_rank_killed_mid_save_all_report_the_save_failed(killed_mid_save):
@@ -364,8 +380,10 @@ def test_dead_peer_during_replication_is_reported_naming_the_peer(killed_mid_sav
 
 def test_restarted_job_saves_the_abandoned_iteration_again(killed_mid_save):
     _, final = killed_mid_save
-    assert all(f["after"] == {"iteration": 30, "exact": True, "source": "local", "failed_copies": [], "attempts": 1}
-               for f in final)
+    assert all(
+        f["after"] == {"iteration": 30, "exact": True, "source": "local", "failed_copies": [], "attempts": 1}
+        for f in final
+    )
 
 
 # ---- a rank whose save fails locally does not leave the others waiting ---------------------------
@@ -420,7 +438,13 @@ def test_a_rank_failing_in_save_fails_that_save_everywhere_without_blocking(tmp_
     out = run_ranks(_local_failures, WS, tmp_root, ranks_per_node=RPN, timeout=90, collective_timeout=30)
     for r, o in enumerate(out):
         assert o[10] == o[30] == o[40] == o[80] == o[100] == "complete", (r, o)
-        assert o["load"] == {"iteration": 100, "exact": True, "source": "local", "failed_copies": [], "attempts": 1}
+        assert o["load"] == {
+            "iteration": 100,
+            "exact": True,
+            "source": "local",
+            "failed_copies": [],
+            "attempts": 1,
+        }
     # Raised by save_local itself on the culprit.
     assert out[3][20].startswith("local ValidationError") and "structure" in out[3][20]
     assert out[1][60].startswith("local CodecError")
@@ -432,7 +456,11 @@ def test_a_rank_failing_in_save_fails_that_save_everywhere_without_blocking(tmp_
     for step, culprit in ((20, 3), (50, 1), (60, 1), (90, 0)):
         for r in range(WS):
             if r != culprit:
-                assert out[r][step].startswith(f"failed: local checkpoint of iteration {step}"), (step, r, out[r][step])
+                assert out[r][step].startswith(f"failed: local checkpoint of iteration {step}"), (
+                    step,
+                    r,
+                    out[r][step],
+                )
     # Save 70 recomputes the distribution (saves 50 and 60 failed): a collective step, so every
     # rank votes first and learns of the culprit from save_local itself.
     for r in range(WS):
@@ -456,10 +484,13 @@ def _save_two(ctx):
     return m.placement.holders_of(ctx.rank)
 
 
-@pytest.mark.parametrize("rpn, lost_node, sources", [
-    (1, 1, ["local", "peer", "local"]),
-    (2, 0, ["peer", "peer", "local"]),  # a partial last node: rank 2 holds both replicas
-])
+@pytest.mark.parametrize(
+    "rpn, lost_node, sources",
+    [
+        (1, 1, ["local", "peer", "local"]),
+        (2, 0, ["peer", "peer", "local"]),  # a partial last node: rank 2 holds both replicas
+    ],
+)
 def test_world_size_three_with_ring_placement_survives_a_node_loss(tmp_root, rpn, lost_node, sources):
     holders = run_ranks(_save_two, 3, tmp_root, ranks_per_node=rpn, **RUN)
     assert all(all(h // rpn != r // rpn for h in hs) for r, hs in enumerate(holders))
@@ -474,11 +505,14 @@ def test_world_size_three_with_ring_placement_survives_a_node_loss(tmp_root, rpn
 
 def _nvrx_save(ctx):
     m = _manager(ctx)
-    tasd, cached = MCoreTensorAwareStateDict.from_state_dict(_sd(ctx.rank, ctx.world_size, 10), algo="fully_parallel")
+    tasd, cached = MCoreTensorAwareStateDict.from_state_dict(
+        _sd(ctx.rank, ctx.world_size, 10), algo="fully_parallel"
+    )
     req = m.save(tasd, 10, is_async=True)
     req.execute_sync()  # nvidia-resiliency-ext's own helper: async fn, barrier, finalize
     tasd, _ = MCoreTensorAwareStateDict.from_state_dict(
-        _sd(ctx.rank, ctx.world_size, 20), algo="fully_parallel", cached_metadata=cached)
+        _sd(ctx.rank, ctx.world_size, 20), algo="fully_parallel", cached_metadata=cached
+    )
     assert m.save(tasd, 20, is_async=False) is None
     m.close()
     return type(req).__name__

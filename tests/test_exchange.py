@@ -1,6 +1,7 @@
 """Exchange on load: planning (only necessary transfers) and both algorithms on real ranks."""
 
 import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,21 +18,27 @@ from resilient_ckpt.parallel.exchange import (
 
 
 def _g(held=(), need=()):
-    return {"held": [[k, list(o), d, list(s)] for k, o, d, s in held], "need": [[k, list(o)] for k, o in need]}
+    return {
+        "held": [[k, list(o), d, list(s)] for k, o, d, s in held],
+        "need": [[k, list(o)] for k, o in need],
+    }
 
 
 def test_a_shard_needed_only_by_its_holder_costs_nothing():
-    plan, absent = plan_exchange([
-        _g(held=[("a", (0,), "float32", (4,))], need=[("a", (0,))]),
-        _g(held=[("b", (0,), "float32", (4,))], need=[("b", (0,))]),
-    ])
+    plan, absent = plan_exchange(
+        [
+            _g(held=[("a", (0,), "float32", (4,))], need=[("a", (0,))]),
+            _g(held=[("b", (0,), "float32", (4,))], need=[("b", (0,))]),
+        ]
+    )
     assert plan.transfers == () and plan.bytes_moved() == 0 and absent == {}
 
 
 def test_a_replicated_shard_is_sent_once_per_receiver_from_one_source():
     held = ("w", (0,), "bfloat16", (2, 3))
-    plan, _ = plan_exchange([_g(held=[held]), _g(held=[held]), _g(need=[("w", (0,))]),
-                             _g(need=[("w", (0,))])])
+    plan, _ = plan_exchange(
+        [_g(held=[held]), _g(held=[held]), _g(need=[("w", (0,))]), _g(need=[("w", (0,))])]
+    )
     assert sorted((t.src, t.dst) for t in plan.transfers) == [(0, 2), (0, 3)]
     assert all(t.nbytes == 12 for t in plan.transfers) and plan.bytes_moved() == 24
 
@@ -61,12 +68,14 @@ def _world(draw):
 @given(_world())
 def test_plan_moves_exactly_what_is_needed_and_not_held(case):
     sids, held, need = case
-    gathered = [_g(held=[(k, o, "float32", (3,)) for k, o in sorted(h)], need=sorted(nd))
-                for h, nd in zip(held, need)]
+    gathered = [
+        _g(held=[(k, o, "float32", (3,)) for k, o in sorted(h)], need=sorted(nd)) for h, nd in zip(held, need)
+    ]
     plan, absent = plan_exchange(gathered)
     anyone = set().union(*held)
-    expected = {(sid, dst) for dst, nd in enumerate(need) for sid in nd
-                if sid not in held[dst] and sid in anyone}
+    expected = {
+        (sid, dst) for dst, nd in enumerate(need) for sid in nd if sid not in held[dst] and sid in anyone
+    }
     got = [(t.shard_id, t.dst) for t in plan.transfers]
     assert len(got) == len(set(got)) and set(got) == expected
     assert all(t.shard_id in held[t.src] for t in plan.transfers)
@@ -112,8 +121,7 @@ def _tensor(i):
 
 
 def _exchange_rank(ctx, algo):
-    from resilient_ckpt.parallel import collectives
-    from resilient_ckpt.parallel import exchange
+    from resilient_ckpt.parallel import collectives, exchange
 
     n, me = ctx.world_size, ctx.rank
     shards = list(range(24))
@@ -146,7 +154,11 @@ def _exchange_rank(ctx, algo):
     for bucket_bytes in (16, exchange.DEFAULT_BUCKET_BYTES):
         scratch.clear()
         got = exchange.execute_exchange(
-            plan, held, lambda sid, dtype, shape: torch.empty(shape, dtype=dtype), None, algo,
+            plan,
+            held,
+            lambda sid, dtype, shape: torch.empty(shape, dtype=dtype),
+            None,
+            algo,
             bucket_bytes,
         )
         exact = []
@@ -155,8 +167,9 @@ def _exchange_rank(ctx, algo):
             t = held.get(sid, got.get(sid))
             exact.append(t is not None and t.dtype == _tensor(i).dtype and torch.equal(t, _tensor(i)))
         expected_recv = sorted(t.shard_id for t in plan.transfers if t.dst == me)
-        results.append((all(exact), sorted(got) == expected_recv,
-                        max(scratch, default=0) <= max(bucket_bytes, largest)))
+        results.append(
+            (all(exact), sorted(got) == expected_recv, max(scratch, default=0) <= max(bucket_bytes, largest))
+        )
     return results
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from harness import KILLED, node_store_root, run_ranks
 from resilient_ckpt import ShardedObject, ShardedTensor
 from resilient_ckpt.errors import CheckpointingException, PeerFailedError
-from resilient_ckpt.manager.hooks import CheckpointHook
 from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+from resilient_ckpt.manager.hooks import CheckpointHook
 from resilient_ckpt.memory.store import CheckpointStore, InvalidSessionError
 
 pytestmark = pytest.mark.multiprocess
@@ -52,8 +52,12 @@ def _sd(rank: int, step: int, fill: bool = True, mib: float = 0.0, ws: int = WS)
 
 def _exact(state, rank: int, step: int) -> bool:
     ref = _sd(rank, step)
-    return (torch.equal(state["w"], ref["w"].data) and torch.equal(state["u"], ref["u"].data)
-            and state["rng"] == {"rank": rank, "step": step} and state["step"] == step)
+    return (
+        torch.equal(state["w"], ref["w"].data)
+        and torch.equal(state["u"], ref["u"].data)
+        and state["rng"] == {"rank": rank, "step": step}
+        and state["step"] == step
+    )
 
 
 def _manager(ctx, session="ft", **kw) -> CheckpointManager:
@@ -81,6 +85,7 @@ def _one_rank_raises_in_save(ctx):
             if ctx.rank == culprit:
                 raise RuntimeError(f"state function failed on purpose at {step}")
             return _sd(ctx.rank, step)
+
         return build
 
     for step, culprit in ((10, 3), (20, None), (30, 1), (40, None), (50, None), (60, 2)):
@@ -158,8 +163,15 @@ def _stopped(pid: int) -> bool:
 
 
 def test_a_frozen_rank_during_restore_surfaces_within_the_managers_timeout(tmp_root):
-    out = run_ranks(_frozen_during_restore, WS, tmp_root, ranks_per_node=RPN, expect_killed=[3],
-                    timeout=120, collective_timeout=600)  # the job's default: 10 minutes
+    out = run_ranks(
+        _frozen_during_restore,
+        WS,
+        tmp_root,
+        ranks_per_node=RPN,
+        expect_killed=[3],
+        timeout=120,
+        collective_timeout=600,
+    )  # the job's default: 10 minutes
     assert out[3] is KILLED
     for r in range(3):
         outcome, seconds = out[r]
@@ -182,9 +194,12 @@ def _restore_and_heal(ctx, mib=0.0):
     m = _manager(ctx)
     state, it = m.load_local(_sd(ctx.rank, 0, fill=False, mib=mib))
     heal = m.wait_healed(timeout=60)
-    out = {"iteration": it, "exact": _exact_mib(state, ctx.rank, it, mib),
-           "source": m.last_load_metrics.source,
-           "heal": None if heal is None else heal.as_dict()}
+    out = {
+        "iteration": it,
+        "exact": _exact_mib(state, ctx.rank, it, mib),
+        "source": m.last_load_metrics.source,
+        "heal": None if heal is None else heal.as_dict(),
+    }
     m.close()
     return out
 
@@ -197,14 +212,23 @@ def _exact_mib(state, rank, step, mib):
 def _restore_only(ctx, mib=0.0):
     m = _manager(ctx)
     res = m.load_local(_sd(ctx.rank, 0, fill=False, mib=mib))
-    out = None if res is None else {"iteration": res[1], "exact": _exact_mib(res[0], ctx.rank, res[1], mib),
-                                    "source": m.last_load_metrics.source}
+    out = (
+        None
+        if res is None
+        else {
+            "iteration": res[1],
+            "exact": _exact_mib(res[0], ctx.rank, res[1], mib),
+            "source": m.last_load_metrics.source,
+        }
+    )
     m.close()
     return out
 
 
 @pytest.mark.slow
-def test_two_node_losses_in_a_row_restore_the_newest_iteration_because_redundancy_was_healed(tmp_root, capsys):
+def test_two_node_losses_in_a_row_restore_the_newest_iteration_because_redundancy_was_healed(
+    tmp_root, capsys
+):
     mib = float(os.environ.get("RESILIENT_CKPT_HEAL_MIB", "4"))  # 256 for the figure in docs
     run_ranks(_save, WS, tmp_root, ranks_per_node=RPN, args=((10, 20), mib), **RUN)
     shutil.rmtree(node_store_root(tmp_root, 1))  # node 1 lost, replaced by an empty one
@@ -252,8 +276,9 @@ def test_a_node_lost_with_its_only_copy_is_never_a_silent_fresh_start(tmp_root):
     for step, missing, records in out:
         assert step == 0 and missing == [2, 3]
         warnings = [msg for level, msg in records if level == "WARNING"]
-        assert any("memory holds iterations [10] but none completely" in w and "ranks 2-3" in w
-                   for w in warnings), warnings
+        assert any(
+            "memory holds iterations [10] but none completely" in w and "ranks 2-3" in w for w in warnings
+        ), warnings
         assert any("starting at step 0" in w and "[2, 3]" in w for w in warnings), warnings
 
 
@@ -262,8 +287,9 @@ def test_a_node_lost_with_its_only_copy_is_never_a_silent_fresh_start(tmp_root):
 
 def _job(ctx, session, steps, keep_last=1):
     kw = {} if session is None else {"session": session}
-    m = CheckpointManager(store_root=ctx.store_root, replication_factor=1, keep_last=keep_last,
-                          timeout_s=TIMEOUT_S, **kw)
+    m = CheckpointManager(
+        store_root=ctx.store_root, replication_factor=1, keep_last=keep_last, timeout_s=TIMEOUT_S, **kw
+    )
     for step in steps:
         m.save_local(_sd(ctx.rank, step, ws=ctx.world_size), step).wait()
     out = (m.session_id, sorted(c.iteration for c in m.store.list()))
@@ -299,8 +325,9 @@ def _mismatched_restore(ctx, culprit, kind):
     template = _sd(ctx.rank, 0, fill=False)
     if ctx.rank == culprit:
         if kind == "dtype":
-            template["u"] = ShardedTensor.from_rank_offsets("u", torch.zeros(32 * 128, dtype=torch.float64),
-                                                            (0, ctx.rank, WS))
+            template["u"] = ShardedTensor.from_rank_offsets(
+                "u", torch.zeros(32 * 128, dtype=torch.float64), (0, ctx.rank, WS)
+            )
         elif kind == "unexpected":
             template["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(4), (0, ctx.rank, WS))
     before = {k: template[k].data.clone() for k in ("w", "u")}
@@ -357,7 +384,7 @@ def _plant_garbage(root: Path, session: str) -> None:
     (free / "seg_dir").mkdir()  # a directory where a pooled segment should be
     (d / "iter_garbage.owner_x.hdr").write_bytes(b"junk")
     (d / "notes.txt").write_text("operator was here")
-    (d / f"iter_{10 ** 5:020d}.owner_{0:06d}.hdr").mkdir()  # a directory with a header's name
+    (d / f"iter_{10**5:020d}.owner_{0:06d}.hdr").mkdir()  # a directory with a header's name
     outside = root.parent / "outside"
     outside.mkdir(exist_ok=True)
     (outside / "precious").write_text("must survive")
@@ -392,7 +419,7 @@ def test_garbage_in_the_store_root_is_ignored_alike_on_every_node(tmp_root):
 
 def test_a_header_of_another_format_version_names_itself_when_its_iteration_is_saved(tmp_root):
     from resilient_ckpt.errors import StoreError
-    from resilient_ckpt.memory.store import CheckpointHeader, FORMAT_VERSION
+    from resilient_ckpt.memory.store import FORMAT_VERSION, CheckpointHeader
 
     store = CheckpointStore(tmp_root, "fv", world_size=1)
     seg = store.allocate(5, 0, 256)

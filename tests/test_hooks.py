@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from resilient_ckpt import CheckpointHook, CheckpointManager, ShardedTensor, TrainState
-from resilient_ckpt.memory import staging
 from resilient_ckpt.errors import CheckpointingException, StoreFullError, ValidationError
+from resilient_ckpt.memory import staging
 
 
 def _manager(tmp_root, **kw):
@@ -156,7 +156,10 @@ def test_optimizer_given_with_state_fn_also_waits_for_staging(tmp_root, monkeypa
     opt = torch.optim.SGD([w], lr=0.1)
     with _manager(tmp_root) as manager:
         hook = CheckpointHook(
-            manager, 1, state_fn=lambda: {"w": ShardedTensor.from_rank_offsets("w", w.detach())}, optimizer=opt
+            manager,
+            1,
+            state_fn=lambda: {"w": ShardedTensor.from_rank_offsets("w", w.detach())},
+            optimizer=opt,
         )
         hook.step(0)
         assert waited_in_main == [], "save_local returns without waiting for the copies"
@@ -197,7 +200,9 @@ def test_failed_save_warns_counts_and_training_goes_on(tmp_root):
     with pytest.raises(CheckpointingException):
         first.wait()  # the save of step 2 failed in the background
     _train_step(state)
-    with pytest.warns(RuntimeWarning, match=r"local checkpoint of step 2 failed \(training continues.*injected"):
+    with pytest.warns(
+        RuntimeWarning, match=r"local checkpoint of step 2 failed \(training continues.*injected"
+    ):
         hook.step(3)  # reported at the next step, as a warning
     assert hook.failed_saves == 1 and hook.failed_steps == [2]
     for step in range(4, 9):
@@ -295,8 +300,12 @@ def test_restore_on_an_empty_store_signals_a_fresh_start_and_says_so(tmp_root, c
         hook = CheckpointHook(manager, 5, state=state)
         assert hook.restore() == 0
     # Never silent: a start from step 0 is a WARNING that says why.
-    assert any(r.levelname == "WARNING" and "no local checkpoint of session 'hooks' to restore" in r.getMessage()
-               and "starting at step 0" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelname == "WARNING"
+        and "no local checkpoint of session 'hooks' to restore" in r.getMessage()
+        and "starting at step 0" in r.getMessage()
+        for r in caplog.records
+    )
     assert hook.restored_from is None and hook.restored_state is None
     assert _same(_params(state), before), "a fresh start leaves the model alone"
 
@@ -312,8 +321,12 @@ def test_restore_without_a_local_checkpoint_calls_the_fallback_loader_and_logs_i
         hook = CheckpointHook(manager, 5, state=_state(), fallback_loader=load_from_parallel_fs)
         assert hook.restore() == 1200
     assert calls == [1]
-    assert any(r.levelname == "WARNING" and "no local checkpoint of session 'hooks' to restore" in r.getMessage()
-               and "using the caller's loader" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelname == "WARNING"
+        and "no local checkpoint of session 'hooks' to restore" in r.getMessage()
+        and "using the caller's loader" in r.getMessage()
+        for r in caplog.records
+    )
     with _manager(tmp_root) as manager:
         assert CheckpointHook(manager, 5, state=_state(), fallback_loader=lambda: None).restore() == 0
 
@@ -326,8 +339,12 @@ def test_restore_returns_the_step_after_the_newest_checkpoint_and_applies_it(tmp
         _train_step(state)
         hook.step(step)
         if step == 7:
-            at_7 = (_params(state), state.optimizer.state_dict()["state"][0]["exp_avg"].clone(),
-                    state.lr_scheduler.state_dict(), dict(state.extra))
+            at_7 = (
+                _params(state),
+                state.optimizer.state_dict()["state"][0]["exp_avg"].clone(),
+                state.lr_scheduler.state_dict(),
+                dict(state.extra),
+            )
     hook.close()
     manager.close()
 

@@ -61,8 +61,7 @@ def _both_rank(ctx, tp):
         tasd.insert_tensors(tasd.pop_tensors())
         guard = _megatron_cuda_calls_on_cpu() if name == "theirs" else contextlib.nullcontext()
         with guard:
-            out = tasd.to_state_dict(layout(empty=True), algo="fully_parallel",
-                                     parallelization_group=group)
+            out = tasd.to_state_dict(layout(empty=True), algo="fully_parallel", parallelization_group=group)
         if name == "ours":
             per_rank = list(distribution.rank_bytes)
         else:
@@ -79,7 +78,9 @@ def _both_rank(ctx, tp):
 @pytest.mark.multiprocess
 def test_megatron_and_ours_restore_the_same_state_dict_and_ours_is_as_balanced(tmp_root):
     out = run_ranks(_both_rank, 4, tmp_root, args=(2,), timeout=150)
-    for rank, (vs_megatron, vs_expected, ours_saved, theirs_saved, ours_bytes, theirs_bytes) in enumerate(out):
+    for rank, (vs_megatron, vs_expected, _ours_saved, _theirs_saved, ours_bytes, theirs_bytes) in enumerate(
+        out
+    ):
         assert vs_megatron == "", f"rank {rank}: {vs_megatron}"
         assert vs_expected == "", f"rank {rank}: {vs_expected}"
         assert sum(ours_bytes) == sum(theirs_bytes), "both save each shard of the group once"

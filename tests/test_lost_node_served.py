@@ -1,6 +1,5 @@
 """A lost node's ranks get their shards served by the replica holders in the load exchange."""
 
-import os
 import shutil
 from pathlib import Path
 
@@ -17,8 +16,11 @@ def _state(rank, world, it, empty=False):
     rep = torch.arange(4096, dtype=torch.float32) * (it + 1)
     if empty:
         own, rep = torch.zeros_like(own), torch.zeros_like(rep)
-    return {"own": ShardedTensor.from_rank_offsets("own", own, (0, rank, world)),
-            "rep": ShardedTensor.from_rank_offsets("rep", rep, replica_id=rank), "it": it}
+    return {
+        "own": ShardedTensor.from_rank_offsets("own", own, (0, rank, world)),
+        "rep": ShardedTensor.from_rank_offsets("rep", rep, replica_id=rank),
+        "it": it,
+    }
 
 
 def _save(ctx):

@@ -12,13 +12,12 @@ import torch
 from resilient_ckpt.errors import (
     CheckpointingException,
     CodecError,
-    StoreError,
     StoreFullError,
     ValidationError,
 )
 from resilient_ckpt.manager.checkpoint_manager import FAULT_POINTS, MAX_ITERATION, CheckpointManager
-from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
 from resilient_ckpt.memory.store import CheckpointHeader, CheckpointStore, plan_layout
+from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
 from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
 
@@ -62,7 +61,9 @@ def _iterations(store: CheckpointStore):
 def test_iteration_that_does_not_increase_is_rejected_clearly(mgr):
     mgr.save_local(_sd(5), 5, is_async=False)
     for bad in (5, 4):
-        with pytest.raises(ValidationError, match=f"iteration {bad} does not increase.*last saved or restored: 5"):
+        with pytest.raises(
+            ValidationError, match=f"iteration {bad} does not increase.*last saved or restored: 5"
+        ):
             mgr.save_local(_sd(bad), bad)
     mgr.save_local(_sd(6), 6, is_async=False)  # the manager is still usable
     assert _iterations(mgr.store) == [5, 6]
@@ -133,7 +134,10 @@ def test_a_failure_at_any_save_stage_keeps_the_previous_complete_iteration(tmp_r
         m.save_local(_sd(1), 1, is_async=False)
         armed = True
         h = m.save_local(_sd(2), 2)
-        with pytest.raises(CheckpointingException, match="iteration 2 is not complete.*previous complete iteration 1 stays loadable") as e:
+        with pytest.raises(
+            CheckpointingException,
+            match="iteration 2 is not complete.*previous complete iteration 1 stays loadable",
+        ) as e:
             h.wait(30)
         assert f"injected at {point}" in str(e.value)
         armed = False
@@ -202,7 +206,9 @@ def test_memory_budget_too_small_fails_the_save_clearly_and_keeps_what_is_stored
     with _mgr(tmp_root, memory_budget=2 * seg + 100) as m:
         m.save_local(_sd(1), 1, is_async=False)
         m.save_local(_sd(2), 2, is_async=False)
-        with pytest.raises(StoreFullError, match=r"over its memory budget of 16\.6. KiB.*raise memory_budget"):
+        with pytest.raises(
+            StoreFullError, match=r"over its memory budget of 16\.6. KiB.*raise memory_budget"
+        ):
             m.save_local(_sd(3), 3)
         assert _iterations(m.store) == [1, 2]
         _check(m.load_local(_sd(0, fill=False))[0], 2)
@@ -297,7 +303,13 @@ def _corrupt(store, iteration, how):
         store.data_path(cid).unlink()
 
 
-CORRUPTIONS = ["truncated data", "flipped data byte", "flipped header byte", "truncated header", "missing data"]
+CORRUPTIONS = [
+    "truncated data",
+    "flipped data byte",
+    "flipped header byte",
+    "truncated header",
+    "missing data",
+]
 
 
 @pytest.mark.parametrize("how", CORRUPTIONS)
@@ -320,7 +332,9 @@ def test_the_only_checkpoint_corrupted_raises_a_clear_error(tmp_root, how):
     with _mgr(tmp_root) as m:
         m.save_local(_sd(1), 1, is_async=False)
         _corrupt(m.store, 1, how)
-        with pytest.raises(CheckpointingException, match=r"no complete iteration could be restored \(tried \[1\]\)"):
+        with pytest.raises(
+            CheckpointingException, match=r"no complete iteration could be restored \(tried \[1\]\)"
+        ):
             m.load_local(_sd(0, fill=False))
 
 
@@ -409,12 +423,15 @@ def test_option_groups_and_flat_keywords_configure_the_same_manager(tmp_root):
     from resilient_ckpt.manager.options import PersistentOptions, ReplicationOptions
 
     grouped = CheckpointManager(
-        "opts", store_root=str(tmp_root), keep_last=3,
+        "opts",
+        store_root=str(tmp_root),
+        keep_last=3,
         replication=ReplicationOptions(factor=1, placement="ring", backend="gloo"),
         persistent=PersistentOptions(directory=None, flush_every=5),
     )
-    flat = CheckpointManager("opts", store_root=str(tmp_root), keep_last=3, replication_factor=1,
-                             flush_every=5)
+    flat = CheckpointManager(
+        "opts", store_root=str(tmp_root), keep_last=3, replication_factor=1, flush_every=5
+    )
     try:
         assert grouped.options == flat.options
         assert grouped.options.replication.factor == 1 and grouped.options.persistent.flush_every == 5
@@ -427,8 +444,11 @@ def test_option_groups_and_flat_keywords_configure_the_same_manager(tmp_root):
 def test_a_value_given_both_as_group_and_flat_keyword_with_two_meanings_is_refused(tmp_root):
     from resilient_ckpt.manager.options import ReplicationOptions
 
-    with pytest.raises(ValidationError, match=r"replication_factor=3 contradicts ReplicationOptions\(factor=1\)"):
-        CheckpointManager("opts", store_root=str(tmp_root), replication_factor=3,
-                          replication=ReplicationOptions(factor=1))
+    with pytest.raises(
+        ValidationError, match=r"replication_factor=3 contradicts ReplicationOptions\(factor=1\)"
+    ):
+        CheckpointManager(
+            "opts", store_root=str(tmp_root), replication_factor=3, replication=ReplicationOptions(factor=1)
+        )
     with pytest.raises(ValidationError, match="placement must be 'ring' or 'clique'"):
         CheckpointManager("opts", store_root=str(tmp_root), replication=ReplicationOptions(placement="star"))

@@ -26,8 +26,14 @@ def _state(rank, world, it, empty=False):
 def _save(ctx, durable_dir):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
-    m = CheckpointManager("persist", store_root=ctx.store_root, ranks_per_node=1,
-                          persistent_dir=durable_dir, flush_every=2, timeout_s=30)
+    m = CheckpointManager(
+        "persist",
+        store_root=ctx.store_root,
+        ranks_per_node=1,
+        persistent_dir=durable_dir,
+        flush_every=2,
+        timeout_s=30,
+    )
     for it in (10, 20, 30):
         m.save_local(_state(ctx.rank, ctx.world_size, it), it).wait()
     m.flush().wait()  # on demand: iteration 30 (20 was flushed by flush_every=2)
@@ -38,8 +44,9 @@ def _save(ctx, durable_dir):
 def _load(ctx, durable_dir):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
-    m = CheckpointManager("persist", store_root=ctx.store_root, ranks_per_node=1,
-                          persistent_dir=durable_dir, timeout_s=30)
+    m = CheckpointManager(
+        "persist", store_root=ctx.store_root, ranks_per_node=1, persistent_dir=durable_dir, timeout_s=30
+    )
     state, it = m.load_local(_state(ctx.rank, ctx.world_size, 0, empty=True))
     ref = _state(ctx.rank, ctx.world_size, it)
     exact = torch.equal(state["w"], ref["w"].data) and torch.equal(state["b"], ref["b"].data)
@@ -79,8 +86,9 @@ def test_train_state_flush_loads_with_plain_torch_dcp(tmp_path):
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(3, 6)).sum().backward()
     opt.step()
-    m = CheckpointManager("plain", store_root=str(tmp_path / "store"),
-                          persistent_dir=str(tmp_path / "durable"))
+    m = CheckpointManager(
+        "plain", store_root=str(tmp_path / "store"), persistent_dir=str(tmp_path / "durable")
+    )
     m.save_local(TrainState(model, opt).sharded_state_dict(), 7).wait()
     m.flush().wait()
     m.close()

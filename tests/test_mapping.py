@@ -26,11 +26,23 @@ from resilient_ckpt.model.mapping import (
 
 def test_fields_and_order_match_the_issue_api():
     assert [f.name for f in dataclasses.fields(ShardedTensor)] == [
-        "key", "data", "dtype", "local_shape", "global_shape", "global_offset",
-        "axis_fragmentations", "replica_id", "prepend_axis_num", "allow_shape_mismatch",
+        "key",
+        "data",
+        "dtype",
+        "local_shape",
+        "global_shape",
+        "global_offset",
+        "axis_fragmentations",
+        "replica_id",
+        "prepend_axis_num",
+        "allow_shape_mismatch",
     ]
     assert [f.name for f in dataclasses.fields(ShardedObject)] == [
-        "key", "data", "global_shape", "global_offset", "replica_id",
+        "key",
+        "data",
+        "global_shape",
+        "global_offset",
+        "replica_id",
     ]
     assert ShardedObject("o", 1, (2,), (1,)).replica_id == 0
 
@@ -55,14 +67,21 @@ def _rank_offsets_case(draw):
 def test_from_rank_offsets_matches_megatron_core(case):
     shape, prepend, offsets, replica, dtype = case
     data = torch.zeros(shape, dtype=dtype)
-    ours = ShardedTensor.from_rank_offsets(
-        "w", data, *offsets, replica_id=replica, prepend_axis_num=prepend
-    )
+    ours = ShardedTensor.from_rank_offsets("w", data, *offsets, replica_id=replica, prepend_axis_num=prepend)
     theirs = mcore.ShardedTensor.from_rank_offsets(
         "w", data, *offsets, replica_id=replica, prepend_axis_num=prepend
     )
-    for name in ("key", "dtype", "local_shape", "global_shape", "global_offset",
-                 "axis_fragmentations", "replica_id", "prepend_axis_num", "allow_shape_mismatch"):
+    for name in (
+        "key",
+        "dtype",
+        "local_shape",
+        "global_shape",
+        "global_offset",
+        "axis_fragmentations",
+        "replica_id",
+        "prepend_axis_num",
+        "allow_shape_mismatch",
+    ):
         assert getattr(ours, name) == getattr(theirs, name), name
     assert ours.data is data
     assert ours.global_slice() == theirs.global_slice()
@@ -87,7 +106,7 @@ def test_from_rank_offsets_matches_megatron_core(case):
     ],
 )
 def test_invalid_rank_offsets_name_the_key_and_the_rule(offsets, what):
-    with pytest.raises(ValidationError, match=rf"'layer\.w'.*") as e:
+    with pytest.raises(ValidationError, match=r"'layer\.w'.*") as e:
         ShardedTensor.from_rank_offsets("layer.w", torch.zeros(2, 2), *offsets)
     assert what in str(e.value)
 
@@ -98,8 +117,15 @@ def test_flattened_range_is_rejected_with_a_fix():
 
 
 def _st(**kw):
-    base = dict(key="w", data=None, dtype=torch.float32, local_shape=(2, 2),
-                global_shape=(4, 2), global_offset=(2, 0), axis_fragmentations=(2, 1))
+    base = dict(
+        key="w",
+        data=None,
+        dtype=torch.float32,
+        local_shape=(2, 2),
+        global_shape=(4, 2),
+        global_offset=(2, 0),
+        axis_fragmentations=(2, 1),
+    )
     base.update(kw)
     return ShardedTensor(**base)
 
@@ -125,8 +151,7 @@ def test_inconsistent_metadata_is_rejected_naming_the_problem(kw, msg):
 
 
 def test_irregular_grid_and_shape_mismatch_are_allowed_when_declared():
-    irregular = _st(local_shape=(3, 2), global_shape=(5, 2), global_offset=(2, 0),
-                    axis_fragmentations=None)
+    irregular = _st(local_shape=(3, 2), global_shape=(5, 2), global_offset=(2, 0), axis_fragmentations=None)
     assert irregular.global_box() == ((2, 5), (0, 2)) and not irregular.has_regular_grid
     padded = _st(global_offset=(4, 0), allow_shape_mismatch=True, axis_fragmentations=None)
     assert padded.global_box() == ((4, 6), (0, 2))

@@ -21,9 +21,7 @@ from resilient_ckpt.model.nested import (
 
 # Leaves: ints are "tensors" (go to one side of a split), strings and None "plain values";
 # tuples are leaves too, as in Megatron-core.
-_leaf = st.one_of(
-    st.integers(-5, 5), st.text(max_size=3), st.none(), st.tuples(st.integers(0, 3))
-)
+_leaf = st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.tuples(st.integers(0, 3)))
 _tree = st.recursive(
     _leaf,
     lambda kids: st.one_of(
@@ -31,9 +29,7 @@ _tree = st.recursive(
     ),
     max_leaves=15,
 )
-_top = st.one_of(
-    st.dictionaries(st.text(max_size=3), _tree, max_size=5), st.lists(_tree, max_size=5)
-)
+_top = st.one_of(st.dictionaries(st.text(max_size=3), _tree, max_size=5), st.lists(_tree, max_size=5))
 
 
 def _is_int(v):
@@ -56,11 +52,9 @@ def test_split_sends_every_leaf_to_exactly_one_side(x):
     match, rest = split(x, _is_int)
     assert all(_is_int(v) for v in nested_values(match))
     assert not any(_is_int(v) for v in nested_values(rest))
-    assert sorted(map(repr, nested_values(match))) + sorted(
-        map(repr, nested_values(rest))
-    ) == sorted(map(repr, (v for v in nested_values(x) if _is_int(v)))) + sorted(
-        map(repr, (v for v in nested_values(x) if not _is_int(v)))
-    )
+    assert sorted(map(repr, nested_values(match))) + sorted(map(repr, nested_values(rest))) == sorted(
+        map(repr, (v for v in nested_values(x) if _is_int(v)))
+    ) + sorted(map(repr, (v for v in nested_values(x) if not _is_int(v))))
 
 
 @settings(max_examples=30, deadline=None)

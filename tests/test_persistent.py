@@ -18,17 +18,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from harness import node_store_root, run_ranks
 
+from harness import node_store_root, run_ranks
 from resilient_ckpt import ShardedObject, ShardedTensor
+from resilient_ckpt.cli.inspect import convert_main, export_main, inspect_main
+from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError
+from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 from resilient_ckpt.persistent.layout import hollow_fqn
 from resilient_ckpt.persistent.local_load import load_metadata_only
-from resilient_ckpt.persistent.storage import CountingStorageReader, SafeFileSystemReader, read_metadata_file
-from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError
-from resilient_ckpt.cli.inspect import convert_main, export_main, inspect_main
 from resilient_ckpt.persistent.snapshot import StoreSnapshot
+from resilient_ckpt.persistent.storage import CountingStorageReader, SafeFileSystemReader, read_metadata_file
 from resilient_ckpt.persistent.tier import PersistentTier, restore_latest
-from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 
 SESSION = "persist-test"
 DDP_DIM = (6, 5)
@@ -72,9 +72,9 @@ def _job(ctx):
     """Save 10 and 20 into memory, flush 10, then load it every way there is."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    from resilient_ckpt.parallel.distribution import compute_distribution
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
     from resilient_ckpt.model.nested import nested_values
+    from resilient_ckpt.parallel.distribution import compute_distribution
     from resilient_ckpt.persistent.two_stage import two_stage_load
 
     r, w = ctx.rank, ctx.world_size
@@ -107,9 +107,13 @@ def _job(ctx):
     # 2. two-stage load vs every rank reading everything, reads counted.
     def template():
         return {
-            "model": {n: ShardedTensor.from_rank_offsets(f"model.{n}", torch.zeros_like(t), replica_id=r)
-                      for n, t in _ddp_model(0).state_dict().items()},
-            "fsdp": {"weight": ShardedTensor.from_rank_offsets("fsdp.weight", torch.zeros(FSDP_ROWS, FSDP_COLS))},
+            "model": {
+                n: ShardedTensor.from_rank_offsets(f"model.{n}", torch.zeros_like(t), replica_id=r)
+                for n, t in _ddp_model(0).state_dict().items()
+            },
+            "fsdp": {
+                "weight": ShardedTensor.from_rank_offsets("fsdp.weight", torch.zeros(FSDP_ROWS, FSDP_COLS))
+            },
         }
 
     counting = CountingStorageReader(SafeFileSystemReader(ckpt))
@@ -195,8 +199,10 @@ def test_two_stage_load_reads_each_stored_entry_once_across_the_group(job):
             reads[k] = reads.get(k, 0) + v
     md = read_metadata_file(Path(root) / "durable" / "iter_0000010" / ".metadata")
     stored_tensors = {
-        f"{i.fqn}@{tuple(i.offset)}" for i in md.storage_data if i.offset is not None and not i.fqn.startswith("__")
-    } - {k for k in () }
+        f"{i.fqn}@{tuple(i.offset)}"
+        for i in md.storage_data
+        if i.offset is not None and not i.fqn.startswith("__")
+    } - {k for k in ()}
     needed = {k for k in stored_tensors if k.startswith(("model.", "fsdp."))}
     assert set(reads) == needed and all(v == 1 for v in reads.values())
     total_two_stage = sum(r["two_stage"]["bytes"] for r in results)
@@ -281,10 +287,18 @@ def test_export_writes_metadata_only_once_every_rank_is_exported(job, tmp_path, 
 
 def test_export_of_an_iteration_the_store_lacks_names_what_it_holds(job, tmp_path, capsys):
     root, _ = job
-    rc = export_main([
-        "--store-root", node_store_root(str(root), 0), "--session", SESSION, "--iteration", "15",
-        "--to", str(tmp_path / "x"),
-    ])
+    rc = export_main(
+        [
+            "--store-root",
+            node_store_root(str(root), 0),
+            "--session",
+            SESSION,
+            "--iteration",
+            "15",
+            "--to",
+            str(tmp_path / "x"),
+        ]
+    )
     assert rc == 1
     err = capsys.readouterr().err
     assert "no checkpoint of iteration 15" in err and "[10, 20]" in err
@@ -318,7 +332,9 @@ def test_convert_writes_one_torch_save_file_equal_to_the_checkpoint(job, tmp_pat
         assert torch.equal(state["model"][n], t)
     assert state["step"] == 10 and state["sched"]["milestones"] == [1, 2, 3]
     out2 = tmp_path / "only.pt"
-    assert convert_main([str(Path(root) / "durable" / "iter_0000010"), "--to", str(out2), "--keys", "fsdp"]) == 0
+    assert (
+        convert_main([str(Path(root) / "durable" / "iter_0000010"), "--to", str(out2), "--keys", "fsdp"]) == 0
+    )
     assert set(torch.load(out2, weights_only=True)) == {"fsdp"}
 
 
@@ -396,7 +412,9 @@ def test_restore_falls_back_to_the_persistent_tier_on_every_rank_when_a_rank_is_
     for tier, iteration, sources, same_as_memory, report in results:
         assert tier == "persistent" and report == "persistent"
         assert iteration == 20
-        assert len(sources) == 2 and all(s.startswith("persistent:") and s.endswith("iter_0000020") for s in sources)
+        assert len(sources) == 2 and all(
+            s.startswith("persistent:") and s.endswith("iter_0000020") for s in sources
+        )
         assert same_as_memory  # exactly what load_local returned before the loss
 
 
@@ -433,7 +451,9 @@ def _periodic(ctx):
 
 @pytest.mark.multiprocess
 def test_periodic_flush_every_m_saves_keeps_last_k_and_sigterm_flushes_the_newest(tmp_root):
-    for flushed, listing, got_sigterm, after_sigterm, again, thread in run_ranks(_periodic, 2, tmp_root, timeout=150):
+    for flushed, listing, got_sigterm, after_sigterm, again, thread in run_ranks(
+        _periodic, 2, tmp_root, timeout=150
+    ):
         assert flushed == [None, 2, None, 4, None]
         assert thread == "resilient_ckpt-flush"
         assert listing == [4]  # keep_last=1 removed iteration 2 once 4 was complete
@@ -449,8 +469,16 @@ def _single_process_store(root: Path, iterations=(10,)):
     mgr = CheckpointManager(SESSION, str(root / "shm"), replication_factor=1)
     for it in iterations:
         model = _ddp_model(it)
-        mgr.save_local({"model": {n: ShardedTensor.from_rank_offsets(f"model.{n}", t) for n, t in model.state_dict().items()},
-                        "step": it}, it, is_async=False)
+        mgr.save_local(
+            {
+                "model": {
+                    n: ShardedTensor.from_rank_offsets(f"model.{n}", t) for n, t in model.state_dict().items()
+                },
+                "step": it,
+            },
+            it,
+            is_async=False,
+        )
     return mgr
 
 

@@ -266,9 +266,7 @@ retrieval_cases = st.integers(1, 4).flatmap(
             st.just(rpn),
             st.just(w),
             st.dictionaries(st.integers(0, w - 1), st.integers(0, w - 1), min_size=1),
-            st.dictionaries(
-                st.integers(0, w - 1), st.sets(st.integers(0, w - 1), min_size=1), min_size=w
-            ),
+            st.dictionaries(st.integers(0, w - 1), st.sets(st.integers(0, w - 1), min_size=1), min_size=w),
             st.dictionaries(st.integers(0, w - 1), st.integers(0, 1000)),
         )
     )
@@ -314,17 +312,13 @@ def test_retrieval_is_local_first_deterministic_and_spreads_remote_bytes(case):
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    st.integers(1, 6), st.integers(1, 40), st.lists(st.integers(1, 100), min_size=40, max_size=40)
-)
+@given(st.integers(1, 6), st.integers(1, 40), st.lists(st.integers(1, 100), min_size=40, max_size=40))
 def test_retrieval_from_k_equal_remote_holders_stays_within_the_greedy_bound(k, n, sizes):
     # n receivers on node 0 (ranks 0..n-1) want owners whose data sits on k remote ranks.
     holders = [1000 + i for i in range(k)]
     wanted = {r: 100 + r for r in range(n)}
     nbytes = {100 + r: sizes[r] for r in range(n)}
-    plan = plan_retrieval(
-        wanted, {o: holders for o in nbytes}, lambda r: 0 if r < 1000 else r, nbytes
-    )
+    plan = plan_retrieval(wanted, {o: holders for o in nbytes}, lambda r: 0 if r < 1000 else r, nbytes)
     load = Counter()
     for f in plan:
         load[f.source] += nbytes[f.owner]

@@ -18,16 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.errors import CheckpointingException
-from resilient_ckpt.service.wire import auth as auth_mod
-from resilient_ckpt.service.wire.auth import (
-    Authenticator,
-    RejectCounters,
-    ReplayGuard,
-    authenticator_from_env,
-    generate_secret,
-    load_secret,
-    write_secret_file,
-)
 from resilient_ckpt.service.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -59,6 +49,16 @@ from resilient_ckpt.service.wire import (
     recv_from,
     send,
 )
+from resilient_ckpt.service.wire import auth as auth_mod
+from resilient_ckpt.service.wire.auth import (
+    Authenticator,
+    RejectCounters,
+    ReplayGuard,
+    authenticator_from_env,
+    generate_secret,
+    load_secret,
+    write_secret_file,
+)
 
 SESSION = "llama-run7"
 SECRET = generate_secret()
@@ -70,20 +70,37 @@ HOLDING = {"iteration": 100, "owner_rank": 3, "world_size": 8, "total_bytes": 30
 #: A valid body and data frames for every message type.
 SAMPLES = {
     MessageType.HELLO: (
-        {"min_version": 1, "max_version": 1, "role": "client", "rank": 3, "credit_bytes": 1 << 26}, ()
+        {"min_version": 1, "max_version": 1, "role": "client", "rank": 3, "credit_bytes": 1 << 26},
+        (),
     ),
     MessageType.HELLO_OK: (
-        {"version": 1, "role": "daemon", "max_frame_bytes": MAX_FRAME_BYTES, "credit_bytes": 1 << 26}, ()
+        {"version": 1, "role": "daemon", "max_frame_bytes": MAX_FRAME_BYTES, "credit_bytes": 1 << 26},
+        (),
     ),
     MessageType.ERROR: (
-        {"code": "NOT_FOUND", "message": "no iteration 100 of rank 3", "op": 9, "retryable": False}, ()
+        {"code": "NOT_FOUND", "message": "no iteration 100 of rank 3", "op": 9, "retryable": False},
+        (),
     ),
     MessageType.OK: ({"op": int(MessageType.LIST), "result": {"holdings": [HOLDING]}}, ()),
     MessageType.COMMIT: (
-        {"iteration": 100, "owner_rank": 3, "world_size": 8, "header_digest": b"\x07" * 8, "total_bytes": 3000}, ()
+        {
+            "iteration": 100,
+            "owner_rank": 3,
+            "world_size": 8,
+            "header_digest": b"\x07" * 8,
+            "total_bytes": 3000,
+        },
+        (),
     ),
     MessageType.REPLICATE_BEGIN: (
-        {"iteration": 100, "owner_rank": 3, "world_size": 8, "total_bytes": 3000, "chunk_bytes": 1024, "num_chunks": 3},
+        {
+            "iteration": 100,
+            "owner_rank": 3,
+            "world_size": 8,
+            "total_bytes": 3000,
+            "chunk_bytes": 1024,
+            "num_chunks": 3,
+        },
         (),
     ),
     MessageType.REPLICATE_CHUNK: (
@@ -91,8 +108,13 @@ SAMPLES = {
         (CHUNK,),
     ),
     MessageType.REPLICATE_END: (
-        {"iteration": 100, "owner_rank": 3, "num_chunks": 3, "total_bytes": 3000,
-         "header_checksum": xxhash.xxh3_64_intdigest(STORE_HEADER)},
+        {
+            "iteration": 100,
+            "owner_rank": 3,
+            "num_chunks": 3,
+            "total_bytes": 3000,
+            "header_checksum": xxhash.xxh3_64_intdigest(STORE_HEADER),
+        },
         (STORE_HEADER,),
     ),
     MessageType.FETCH: ({"iteration": 100, "owner_rank": 3, "max_chunk_bytes": 1 << 20}, ()),
@@ -125,8 +147,16 @@ def forge(header: object, frames=(), auth: Authenticator = None) -> list:
 
 def envelope(mtype=MessageType.COMMIT, **overrides) -> dict:
     body, _ = SAMPLES[mtype]
-    header = {"version": PROTOCOL_VERSION, "type": int(mtype), "session": SESSION, "sender": "node1",
-              "req_id": 1, "nonce": os.urandom(16), "ts": time.time_ns(), "body": dict(body)}
+    header = {
+        "version": PROTOCOL_VERSION,
+        "type": int(mtype),
+        "session": SESSION,
+        "sender": "node1",
+        "req_id": 1,
+        "nonce": os.urandom(16),
+        "ts": time.time_ns(),
+        "body": dict(body),
+    }
     header.update(overrides)
     return header
 
@@ -155,7 +185,8 @@ def zctx():
     ctx.destroy(linger=0)
 
 
-def router_dealer(ctx, *, router_limits=Limits(), dealer_limits=Limits()):
+def router_dealer(ctx, *, router_limits=None, dealer_limits=None):
+    router_limits, dealer_limits = router_limits or Limits(), dealer_limits or Limits()
     router = ctx.socket(zmq.ROUTER)
     configure_socket(router, limits=router_limits)
     port = router.bind_to_random_port("tcp://127.0.0.1")  # a free port, no bind race
@@ -188,8 +219,9 @@ def test_every_message_type_round_trips_over_router_dealer_on_loopback(zctx, aut
     for mtype in MessageType:
         request = sample(mtype, sender="trainer-3")
         send(dealer, request, auth, timeout_ms=5000)
-        routing_id, got = recv_from(router, auth, timeout_ms=5000, expected_session=SESSION,
-                                    replay_guard=guard_daemon)
+        routing_id, got = recv_from(
+            router, auth, timeout_ms=5000, expected_session=SESSION, replay_guard=guard_daemon
+        )
         assert_same(got, request)
         body, frames = SAMPLES[mtype]
         answer = got.reply(mtype, sender="daemon-0", body=body, frames=frames)
@@ -202,7 +234,11 @@ def test_every_message_type_round_trips_over_router_dealer_on_loopback(zctx, aut
 def test_reply_has_same_request_id_and_a_fresh_nonce():
     request = sample(MessageType.FETCH)
     answer = request.reply(MessageType.ERROR, sender="d", body=error_body(ErrorCode.NOT_FOUND, "gone"))
-    assert (answer.req_id, answer.session, answer.version) == (request.req_id, request.session, request.version)
+    assert (answer.req_id, answer.session, answer.version) == (
+        request.req_id,
+        request.session,
+        request.version,
+    )
     assert answer.nonce != request.nonce
     encode(answer, Authenticator(SECRET))  # a valid ERROR body
 
@@ -248,7 +284,9 @@ def test_message_signed_with_another_secret_is_rejected(auth):
 def test_receiver_refuses_a_different_frame_digest_than_its_own():
     frames = encode(sample(MessageType.REPLICATE_CHUNK), Authenticator(SECRET, frame_digest="xxh3-128"))
     with pytest.raises(AuthenticationError, match="frame_digest"):
-        decode(frames, Authenticator(SECRET, frame_digest="sha256"), expected_session=SESSION, replay_guard=None)
+        decode(
+            frames, Authenticator(SECRET, frame_digest="sha256"), expected_session=SESSION, replay_guard=None
+        )
 
 
 def test_replayed_message_is_rejected(auth):
@@ -291,7 +329,13 @@ def test_error_names_the_peer_by_address(zctx):
     router, dealer = router_dealer(zctx)
     send(dealer, sample(MessageType.STATUS), Authenticator(generate_secret()), timeout_ms=5000)
     with pytest.raises(AuthenticationError) as err:
-        recv_from(router, Authenticator(SECRET), timeout_ms=5000, expected_session=SESSION, replay_guard=ReplayGuard())
+        recv_from(
+            router,
+            Authenticator(SECRET),
+            timeout_ms=5000,
+            expected_session=SESSION,
+            replay_guard=ReplayGuard(),
+        )
     assert "127.0.0.1" in str(err.value) and "Fix:" in str(err.value)
 
 
@@ -348,7 +392,9 @@ BAD_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("mtype, mutate, pattern", BAD_BODIES, ids=[f"{t.name}-{p}" for t, _, p in BAD_BODIES])
+@pytest.mark.parametrize(
+    "mtype, mutate, pattern", BAD_BODIES, ids=[f"{t.name}-{p}" for t, _, p in BAD_BODIES]
+)
 def test_wrong_or_missing_body_field_is_rejected_naming_type_and_field(mtype, mutate, pattern):
     body = dict(SAMPLES[mtype][0])
     mutate(body)
@@ -398,7 +444,9 @@ def test_oversized_data_frame_is_rejected_without_allocating_or_hashing():
         frames = [b"h" * 100, memoryview(huge), b"t" * 33]
         tracemalloc.start()
         try:
-            with pytest.raises(LimitExceeded, match="data frame 0 of 1073741824 bytes exceeds max_frame_bytes"):
+            with pytest.raises(
+                LimitExceeded, match="data frame 0 of 1073741824 bytes exceeds max_frame_bytes"
+            ):
                 decode(frames, spy, expected_session=SESSION, replay_guard=None)
             _, peak = tracemalloc.get_traced_memory()
         finally:
@@ -468,7 +516,11 @@ FUZZ_AUTH = Authenticator(SECRET)
 VALID_FRAMES = {t: [bytes(f) for f in encode(sample(t), FUZZ_AUTH)] for t in MessageType}
 
 plain = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
@@ -486,9 +538,13 @@ def test_garbage_frames_raise_only_protocol_errors(frames):
 @given(
     st.sampled_from(list(MessageType)),
     st.lists(
-        st.tuples(st.sampled_from(["flip", "cut", "grow", "drop", "dup", "swap"]), st.integers(0, 1 << 16),
-                  st.integers(0, 255)),
-        min_size=1, max_size=3,
+        st.tuples(
+            st.sampled_from(["flip", "cut", "grow", "drop", "dup", "swap"]),
+            st.integers(0, 1 << 16),
+            st.integers(0, 255),
+        ),
+        min_size=1,
+        max_size=3,
     ),
 )
 def test_mutated_valid_messages_raise_only_protocol_errors(mtype, mutations):
@@ -501,7 +557,7 @@ def test_mutated_valid_messages_raise_only_protocol_errors(mtype, mutations):
         if op == "flip" and f:
             f[pos % len(f)] ^= value or 1
         elif op == "cut":
-            del f[pos % (len(f) + 1):]
+            del f[pos % (len(f) + 1) :]
         elif op == "grow":
             f.insert(pos % (len(f) + 1), value)
         elif op == "drop":
@@ -526,8 +582,11 @@ def test_mutated_valid_messages_raise_only_protocol_errors(mtype, mutations):
 @given(
     st.sampled_from(list(MessageType)),
     st.one_of(
-        st.tuples(st.just("field"), st.sampled_from(["version", "type", "session", "sender", "req_id", "nonce",
-                                                     "ts", "body"]), plain),
+        st.tuples(
+            st.just("field"),
+            st.sampled_from(["version", "type", "session", "sender", "req_id", "nonce", "ts", "body"]),
+            plain,
+        ),
         st.tuples(st.just("body_field"), st.text(max_size=12), plain),
         st.tuples(st.just("drop_body_field"), st.integers(0, 10), st.none()),
         st.tuples(st.just("whole"), st.none(), plain),
@@ -558,8 +617,11 @@ def test_signed_but_malformed_headers_raise_only_protocol_errors(mtype, mutation
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.sampled_from(list(MessageType)), st.dictionaries(st.text(max_size=12), plain | st.integers(), max_size=4),
-       st.lists(st.binary(max_size=16), max_size=2))
+@given(
+    st.sampled_from(list(MessageType)),
+    st.dictionaries(st.text(max_size=12), plain | st.integers(), max_size=4),
+    st.lists(st.binary(max_size=16), max_size=2),
+)
 def test_encoding_an_invalid_message_raises_only_protocol_errors(mtype, extra, frames):
     body = {**SAMPLES[mtype][0], **extra}
     try:
@@ -695,18 +757,29 @@ def test_peer_that_stops_reading_bounds_buffering_and_times_out(zctx):
     with pytest.raises(PeerTimeout):
         for i in range(10):
             window.acquire(len(chunk), timeout_s=0.3)
-            send(dealer, sample(MessageType.REPLICATE_CHUNK, body={**body, "index": i}, frames=(chunk,)), auth,
-                 timeout_ms=5000)
+            send(
+                dealer,
+                sample(MessageType.REPLICATE_CHUNK, body={**body, "index": i}, frames=(chunk,)),
+                auth,
+                timeout_ms=5000,
+            )
             sent += 1
     assert sent == 4 and window.in_flight == 4 << 20  # buffering bounded by the window
 
     granter, guard = CreditGranter(4 << 20), ReplayGuard()
     for _ in range(sent):
-        routing_id, msg = recv_from(router, auth, timeout_ms=5000, expected_session=SESSION, replay_guard=guard)
+        routing_id, msg = recv_from(
+            router, auth, timeout_ms=5000, expected_session=SESSION, replay_guard=guard
+        )
         grant = granter.consumed(len(msg.frames[0]))
         if grant:
-            send(router, msg.reply(MessageType.CREDIT, sender="daemon-0", body={"bytes": grant}), auth,
-                 to=routing_id, timeout_ms=5000)
+            send(
+                router,
+                msg.reply(MessageType.CREDIT, sender="daemon-0", body={"bytes": grant}),
+                auth,
+                to=routing_id,
+                timeout_ms=5000,
+            )
     while window.in_flight:
         credit = recv(dealer, auth, timeout_ms=5000, expected_session=SESSION, replay_guard=ReplayGuard())
         assert credit.type is MessageType.CREDIT
@@ -741,8 +814,13 @@ def test_large_frame_is_sent_and_received_without_copies(zctx, track):
 
     payload = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)  # 64 MiB, writable
     body = {"iteration": 1, "owner_rank": 0, "index": 0, "offset": 0, "checksum": chunk_checksum(payload)}
-    tracker = send(dealer, sample(MessageType.REPLICATE_CHUNK, body=body, frames=(payload,)), auth,
-                   timeout_ms=10_000, track=track)
+    tracker = send(
+        dealer,
+        sample(MessageType.REPLICATE_CHUNK, body=body, frames=(payload,)),
+        auth,
+        timeout_ms=10_000,
+        track=track,
+    )
     handed = dealer.handed[1]
     handed_view = handed.buffer if isinstance(handed, zmq.Frame) else handed
     assert np.shares_memory(np.frombuffer(handed_view, np.uint8), payload)  # libzmq got our memory
@@ -761,7 +839,13 @@ def test_recv_times_out_when_nothing_arrives(zctx):
     _, dealer = router_dealer(zctx)
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout, match="no message within 200 ms"):
-        recv(dealer, Authenticator(SECRET), timeout_ms=200, expected_session=SESSION, replay_guard=ReplayGuard())
+        recv(
+            dealer,
+            Authenticator(SECRET),
+            timeout_ms=200,
+            expected_session=SESSION,
+            replay_guard=ReplayGuard(),
+        )
     assert 0.19 <= time.monotonic() - t0 < 5
 
 
@@ -792,8 +876,12 @@ def test_rejections_are_counted_by_reason():
     kw = dict(expected_session=SESSION, replay_guard=guard, counters=counters)
     good = encode(sample(MessageType.STATUS), auth)
     decode(good, auth, **kw)
-    for frames in (good, [b"x", b"y"], encode(sample(MessageType.STATUS, session="x"), auth),
-                   [b"h"] + [b"d"] * 20 + [b"t"]):
+    for frames in (
+        good,
+        [b"x", b"y"],
+        encode(sample(MessageType.STATUS, session="x"), auth),
+        [b"h"] + [b"d"] * 20 + [b"t"],
+    ):
         with pytest.raises(ProtocolError):
             decode(frames, auth, **kw)
     assert counters.snapshot() == {"replay": 1, "auth": 1, "session": 1, "limit": 1}

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from harness import free_port
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.service.client import ClockSkewError, DaemonClient, DaemonError, Rpc
 from resilient_ckpt.service.daemon import Daemon, DaemonConfig
 from resilient_ckpt.service.wire import (
@@ -32,7 +33,6 @@ from resilient_ckpt.service.wire import (
     recv_raw_from,
     send,
 )
-from resilient_ckpt.memory.store import CheckpointStore
 from test_daemon import (
     AUTH,
     SESSION,
@@ -59,7 +59,9 @@ def captured(endpoint: str, mtype: MessageType, body: dict, req_id: int) -> list
 
 
 def drop_frames(endpoint: str, iteration: int, owner: int, req_id: int) -> list:
-    return captured(endpoint, MessageType.DROP, {"ids": [{"iteration": iteration, "owner_rank": owner}]}, req_id)
+    return captured(
+        endpoint, MessageType.DROP, {"ids": [{"iteration": iteration, "owner_rank": owner}]}, req_id
+    )
 
 
 def started_ns(status: dict) -> int:
@@ -112,8 +114,11 @@ def test_a_drop_captured_before_a_restart_is_refused_after_it_and_deletes_nothin
             # and wait_ready's first HELLO, when it was encoded before the daemon was up
             assert status["rejected"].get("predates_start", 0) >= 2
             start = started_ns(status)
-        logged = [e for e in node.events("message_rejected")
-                  if e.get("reason") == "predates_start" and "operator@cli" in e.get("peer", "")]
+        logged = [
+            e
+            for e in node.events("message_rejected")
+            if e.get("reason") == "predates_start" and "operator@cli" in e.get("peer", "")
+        ]
         assert len(logged) == 2 and "predates this daemon's start" in logged[0]["error"]
 
         # A client whose clock reads a little before the daemon's start catches up and resends
@@ -122,8 +127,9 @@ def test_a_drop_captured_before_a_restart_is_refused_after_it_and_deletes_nothin
         with DaemonClient(node.endpoint, SESSION, AUTH, timeout_s=5, clock=lambda: time.time_ns() - lag) as c:
             assert {h.iteration for h in c.list()} == {10, 20}
         lag = time.time_ns() - start + 30 * 10**9
-        with DaemonClient(node.endpoint, SESSION, AUTH, timeout_s=2, retries=0,
-                          clock=lambda: time.time_ns() - lag) as c:
+        with DaemonClient(
+            node.endpoint, SESSION, AUTH, timeout_s=2, retries=0, clock=lambda: time.time_ns() - lag
+        ) as c:
             with pytest.raises(DaemonError, match="predates this daemon's start") as err:
                 c.status()
             assert "behind the daemon's clock" in str(err.value) and "NTP" in str(err.value)
@@ -147,8 +153,11 @@ def test_a_drop_never_removes_a_save_published_after_it_was_sent(tmp_path, caplo
         sent_ns = decode(late, AUTH, expected_session=None, replay_guard=None).timestamp_ns
         probe = tmp_path / "fs-clock"
         # file times come from a coarse clock (one tick behind): the new save must be stamped later
-        wait_for(lambda: probe.write_bytes(b"x") is not None and probe.stat().st_mtime_ns > sent_ns,
-                 timeout=5, what="the filesystem clock to pass the DROP's timestamp")
+        wait_for(
+            lambda: probe.write_bytes(b"x") is not None and probe.stat().st_mtime_ns > sent_ns,
+            timeout=5,
+            what="the filesystem clock to pass the DROP's timestamp",
+        )
         store.discard(store.list()[0])
         publish_checkpoint(store, 10, 0, 4, ranks_per_node=2, seed=2)  # saved again meanwhile
         before = checkpoint_files(c.root(0), SESSION, 10, 0)
@@ -171,13 +180,33 @@ def test_a_drop_never_removes_a_save_published_after_it_was_sent(tmp_path, caplo
 def _silent_begin(endpoint: str, total: int, *, iteration: int = 9, owner: int = 1) -> RawPeer:
     """A peer that announces a checkpoint of ``total`` bytes and then sends nothing."""
     peer = RawPeer(endpoint)
-    peer.send(Message(type=MessageType.HELLO, session=SESSION, sender="node-7", req_id=1,
-                      body={"min_version": 1, "max_version": 1, "role": "daemon"}))
+    peer.send(
+        Message(
+            type=MessageType.HELLO,
+            session=SESSION,
+            sender="node-7",
+            req_id=1,
+            body={"min_version": 1, "max_version": 1, "role": "daemon"},
+        )
+    )
     assert peer.recv(timeout_ms=10_000).type is MessageType.HELLO_OK
     chunk = 256 << 10
-    peer.send(Message(type=MessageType.REPLICATE_BEGIN, session=SESSION, sender="node-7", req_id=2,
-                      body={"iteration": iteration, "owner_rank": owner, "world_size": 4, "total_bytes": total,
-                            "chunk_bytes": chunk, "num_chunks": -(-total // chunk)}))
+    peer.send(
+        Message(
+            type=MessageType.REPLICATE_BEGIN,
+            session=SESSION,
+            sender="node-7",
+            req_id=2,
+            body={
+                "iteration": iteration,
+                "owner_rank": owner,
+                "world_size": 4,
+                "total_bytes": total,
+                "chunk_bytes": chunk,
+                "num_chunks": -(-total // chunk),
+            },
+        )
+    )
     return peer
 
 
@@ -185,14 +214,30 @@ def _silent_begin(endpoint: str, total: int, *, iteration: int = 9, owner: int =
 @pytest.mark.timeout(60)
 def test_a_peer_silent_after_begin_does_not_keep_a_legitimate_replica_out(tmp_path):
     # The inbound timeout is an hour: the replica below must get in without it.
-    pc = ProcessCluster(tmp_path, 2, "--memory-budget", "48M", "--credit-bytes", "1M", "--chunk-bytes", "256K",
-                        "--inbound-timeout", "3600", "--peer-timeout", "10", "--retries", "0").start()
+    pc = ProcessCluster(
+        tmp_path,
+        2,
+        "--memory-budget",
+        "48M",
+        "--credit-bytes",
+        "1M",
+        "--chunk-bytes",
+        "256K",
+        "--inbound-timeout",
+        "3600",
+        "--peer-timeout",
+        "10",
+        "--retries",
+        "0",
+    ).start()
     silent = None
     try:
         announced = 47 * MiB  # with the whole of it reserved, a 2 MB replica would not fit 48M
         silent = _silent_begin(pc.eps[1], announced)
         with pc.nodes[1].client() as c1:
-            (held,) = wait_for(lambda: c1.status()["inbound"], what="the silent transfer to be open on node 1")
+            (held,) = wait_for(
+                lambda: c1.status()["inbound"], what="the silent transfer to be open on node 1"
+            )
             assert held["total_bytes"] == announced and held["received"] == 0
             assert held["reserved_bytes"] <= 1 * MiB
             assert c1.status()["store"]["total_bytes"] <= 2 * MiB  # memory actually held
@@ -205,7 +250,8 @@ def test_a_peer_silent_after_begin_does_not_keep_a_legitimate_replica_out(tmp_pa
         assert state.state == "replicated", state.error
         assert time.monotonic() - t0 < 5
         assert checkpoint_files(tmp_path / "node1", SESSION, 10, 0) == checkpoint_files(
-            tmp_path / "node0", SESSION, 10, 0)
+            tmp_path / "node0", SESSION, 10, 0
+        )
         with pc.nodes[1].client() as c1:
             still = [t for t in c1.status()["inbound"] if t["peer"] == "node-7"]
             assert still and still[0]["received"] == 0  # not timed out: it simply held no room
@@ -217,8 +263,11 @@ def test_a_peer_silent_after_begin_does_not_keep_a_legitimate_replica_out(tmp_pa
 
 def test_a_silent_transfer_on_a_reused_segment_gives_its_pages_back_under_pressure(tmp_path):
     budget = 90 * MiB
-    c = Cluster(tmp_path, 2, per_node={1: {"memory_budget": budget, "credit_bytes": 1 * MiB,
-                                           "inbound_timeout_s": 3600}})
+    c = Cluster(
+        tmp_path,
+        2,
+        per_node={1: {"memory_budget": budget, "credit_bytes": 1 * MiB, "inbound_timeout_s": 3600}},
+    )
     silent = None
     try:
         store1 = c.store(1)
@@ -259,8 +308,14 @@ def test_a_client_with_a_skewed_clock_is_told_so_instead_of_timing_out(tmp_path)
         publish_checkpoint(store, 10, 0, 4, ranks_per_node=2)
         for skew_s in (+400.0, -400.0):
             offset = int(skew_s * 1e9)
-            with DaemonClient(node.endpoint, SESSION, AUTH, timeout_s=5, retries=2,
-                              clock=lambda: time.time_ns() + offset) as c:
+            with DaemonClient(
+                node.endpoint,
+                SESSION,
+                AUTH,
+                timeout_s=5,
+                retries=2,
+                clock=lambda offset=offset: time.time_ns() + offset,
+            ) as c:
                 t0 = time.monotonic()
                 with pytest.raises(ClockSkewError) as err:
                     c.drop([(10, 0)])
@@ -294,8 +349,14 @@ def test_a_timeout_blames_the_clock_only_when_an_answer_showed_skew():
             except PeerTimeout:
                 continue
             msg = decode(frames, AUTH, expected_session=None, replay_guard=None, peer=label)
-            answer = Message(type=MessageType.OK, session=msg.session, sender="old-daemon", req_id=msg.req_id + 1,
-                             body={"op": int(msg.type)}, timestamp_ns=time.time_ns() - 400 * 10**9)
+            answer = Message(
+                type=MessageType.OK,
+                session=msg.session,
+                sender="old-daemon",
+                req_id=msg.req_id + 1,
+                body={"op": int(msg.type)},
+                timestamp_ns=time.time_ns() - 400 * 10**9,
+            )
             send(router, answer, AUTH, to=rid, timeout_ms=1000)
 
     t = threading.Thread(target=skewed_daemon, daemon=True)
@@ -317,8 +378,8 @@ def test_a_timeout_blames_the_clock_only_when_an_answer_showed_skew():
 
 
 def test_the_replay_guard_refuses_what_predates_its_floor_and_names_the_start():
-    from resilient_ckpt.service.wire.auth import ReplayGuard
     from resilient_ckpt.service.wire import PredatesStart, StaleMessage
+    from resilient_ckpt.service.wire.auth import ReplayGuard
 
     now = [10**18]
     guard = ReplayGuard(window_s=60, clock=lambda: now[0], not_before_ns=now[0])
@@ -333,8 +394,9 @@ def test_the_replay_guard_refuses_what_predates_its_floor_and_names_the_start():
 
 def test_an_in_process_daemon_refuses_a_message_encoded_before_it_started(tmp_path):
     frames = captured("tcp://unused:1", MessageType.STATUS, {}, req_id=3)
-    d = Daemon(DaemonConfig(store_root=str(Path(tmp_path) / "n"), bind=f"tcp://127.0.0.1:{free_port()}"),
-               AUTH).start()
+    d = Daemon(
+        DaemonConfig(store_root=str(Path(tmp_path) / "n"), bind=f"tcp://127.0.0.1:{free_port()}"), AUTH
+    ).start()
     try:
         peer = RawPeer(d.endpoint)
         try:
@@ -342,7 +404,9 @@ def test_an_in_process_daemon_refuses_a_message_encoded_before_it_started(tmp_pa
             reply = peer.recv(timeout_ms=5000)
         finally:
             peer.close()
-        assert reply.type is MessageType.ERROR and reply.body["code"] == "REPLAYED" and reply.body["retryable"]
+        assert (
+            reply.type is MessageType.ERROR and reply.body["code"] == "REPLAYED" and reply.body["retryable"]
+        )
         assert reply.body["daemon_start_ns"] == d.started_ns and d.rejects["predates_start"] == 1
     finally:
         d.stop()

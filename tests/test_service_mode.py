@@ -13,9 +13,9 @@ import torch
 
 from harness import run_ranks
 from resilient_ckpt.errors import ReplicationError
+from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 from resilient_ckpt.service.client import DaemonClient
 from resilient_ckpt.service.daemon import FAULTS_ENV
-from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
 from test_daemon import (
     SESSION,
     DaemonProcess,
@@ -41,8 +41,9 @@ def _rank_tensors(rank: int, iteration: int):
 
 def _save_commit_and_die(ctx, endpoints, nbytes):
     store = CheckpointStore(ctx.store_root, SESSION)
-    header = publish_checkpoint(store, 100, ctx.rank, ctx.world_size, ranks_per_node=ctx.ranks_per_node,
-                                nbytes=nbytes)
+    header = publish_checkpoint(
+        store, 100, ctx.rank, ctx.world_size, ranks_per_node=ctx.ranks_per_node, nbytes=nbytes
+    )
     # secret from RESILIENT_CKPT_SECRET_FILE, like a trainer launched with the job's environment
     with DaemonClient(endpoints[ctx.node], SESSION, timeout_s=30, rank=ctx.rank) as c:
         commit(c, store, header)  # answered: the daemon owns the replication from here on
@@ -52,15 +53,25 @@ def _save_commit_and_die(ctx, endpoints, nbytes):
 def test_replication_completes_after_trainers_are_killed_right_after_commit(tmp_path):
     pc = ProcessCluster(tmp_path, 2).start()
     try:
-        run_ranks(_save_commit_and_die, 4, tmp_path, ranks_per_node=2, args=(pc.eps, 8_000_000),
-                  expect_killed=[0, 1, 2, 3], extra_env=pc.trainer_env)
+        run_ranks(
+            _save_commit_and_die,
+            4,
+            tmp_path,
+            ranks_per_node=2,
+            args=(pc.eps, 8_000_000),
+            expect_killed=[0, 1, 2, 3],
+            extra_env=pc.trainer_env,
+        )
         for owner in range(4):
             holder = 1 - owner // 2
             with pc.nodes[holder].client() as c:
-                wait_for(lambda: any(h.owner == owner and h.iteration == 100 for h in c.list()),
-                         what=f"the replica of rank {owner} on node {holder}")
-            assert (checkpoint_files(tmp_path / f"node{holder}", SESSION, 100, owner)
-                    == checkpoint_files(tmp_path / f"node{owner // 2}", SESSION, 100, owner))
+                wait_for(
+                    lambda owner=owner: any(h.owner == owner and h.iteration == 100 for h in c.list()),
+                    what=f"the replica of rank {owner} on node {holder}",
+                )
+            assert checkpoint_files(tmp_path / f"node{holder}", SESSION, 100, owner) == checkpoint_files(
+                tmp_path / f"node{owner // 2}", SESSION, 100, owner
+            )
     finally:
         pc.stop()
 
@@ -72,16 +83,18 @@ def _train_and_save(ctx, endpoints, iterations):
     store = CheckpointStore(ctx.store_root, SESSION)
     with DaemonClient(endpoints[ctx.node], SESSION, timeout_s=30, rank=ctx.rank) as c:
         for it in iterations:
-            service_mode_example(c, store, ctx.rank, ctx.world_size, ctx.ranks_per_node, it,
-                                 _rank_tensors(ctx.rank, it))
+            service_mode_example(
+                c, store, ctx.rank, ctx.world_size, ctx.ranks_per_node, it, _rank_tensors(ctx.rank, it)
+            )
     return True
 
 
 def test_a_replacement_node_pulls_its_ranks_from_peers_bit_exact(tmp_path):
     pc = ProcessCluster(tmp_path, 3).start()
     try:
-        run_ranks(_train_and_save, 6, tmp_path, ranks_per_node=2, args=(pc.eps, (10, 20)),
-                  extra_env=pc.trainer_env)
+        run_ranks(
+            _train_and_save, 6, tmp_path, ranks_per_node=2, args=(pc.eps, (10, 20)), extra_env=pc.trainer_env
+        )
         originals = {o: checkpoint_files(tmp_path / "node1", SESSION, 20, o) for o in (2, 3)}
         # node 1 is lost: its daemon and its memory
         pc.nodes[1].kill()
@@ -95,7 +108,9 @@ def test_a_replacement_node_pulls_its_ranks_from_peers_bit_exact(tmp_path):
             assert sorted((h.iteration, h.owner) for h in c.list()) == [(20, 2), (20, 3)]
             new_store = CheckpointStore(tmp_path / "node1-replacement", SESSION)
             for owner in (2, 3):
-                assert checkpoint_files(tmp_path / "node1-replacement", SESSION, 20, owner) == originals[owner]
+                assert (
+                    checkpoint_files(tmp_path / "node1-replacement", SESSION, 20, owner) == originals[owner]
+                )
                 restored = service_mode_load(c, new_store, 20, owner)  # local now, no fetch needed
                 assert all(torch.equal(a, b) for a, b in zip(restored, _rank_tensors(owner, 20)))
         fresh.kill()
@@ -107,15 +122,28 @@ def test_a_replacement_node_pulls_its_ranks_from_peers_bit_exact(tmp_path):
 
 
 def test_a_receiver_killed_mid_replication_leaves_no_partial_replica_and_a_retry_completes(tmp_path):
-    pc = ProcessCluster(tmp_path, 2, "--peer-timeout", "2", "--retries", "1", "--chunk-bytes", "256K",
-                        "--credit-bytes", "1M", env_by_node={1: {FAULTS_ENV: "hold_inbound_after_chunks=2"}}).start()
+    pc = ProcessCluster(
+        tmp_path,
+        2,
+        "--peer-timeout",
+        "2",
+        "--retries",
+        "1",
+        "--chunk-bytes",
+        "256K",
+        "--credit-bytes",
+        "1M",
+        env_by_node={1: {FAULTS_ENV: "hold_inbound_after_chunks=2"}},
+    ).start()
     try:
         store0 = CheckpointStore(tmp_path / "node0", SESSION)
         header = publish_checkpoint(store0, 10, 0, 4, ranks_per_node=2, nbytes=8_000_000)
         with pc.nodes[0].client() as c0, pc.nodes[1].client() as c1:
             commit(c0, store0, header)
-            wait_for(lambda: [t for t in c1.status()["inbound"] if t["received"] == 2 * 256 * 1024],
-                     what="node 1 holding a half-received replica")
+            wait_for(
+                lambda: [t for t in c1.status()["inbound"] if t["received"] == 2 * 256 * 1024],
+                what="node 1 holding a half-received replica",
+            )
             pc.nodes[1].kill()
             with pytest.raises(ReplicationError, match="node 1"):
                 c0.wait_replicated(10, 0, timeout=30)
@@ -131,22 +159,34 @@ def test_a_receiver_killed_mid_replication_leaves_no_partial_replica_and_a_retry
         with pc.nodes[0].client() as c0:
             assert commit(c0, store0, header, wait_s=20).state == "replicated"
         assert not any(p.name.startswith("rsv_") for p in (node1 / "free").iterdir())  # swept at restart
-        assert checkpoint_files(tmp_path / "node1", SESSION, 10, 0) == checkpoint_files(tmp_path / "node0", SESSION,
-                                                                                        10, 0)
+        assert checkpoint_files(tmp_path / "node1", SESSION, 10, 0) == checkpoint_files(
+            tmp_path / "node0", SESSION, 10, 0
+        )
     finally:
         pc.stop()
 
 
 def test_a_sender_killed_mid_transfer_leaves_nothing_visible_on_the_receiver(tmp_path):
-    pc = ProcessCluster(tmp_path, 2, "--chunk-bytes", "256K", "--credit-bytes", "1M", "--inbound-timeout", "1",
-                        env_by_node={0: {FAULTS_ENV: "hold_outbound_after_chunks=2"}}).start()
+    pc = ProcessCluster(
+        tmp_path,
+        2,
+        "--chunk-bytes",
+        "256K",
+        "--credit-bytes",
+        "1M",
+        "--inbound-timeout",
+        "1",
+        env_by_node={0: {FAULTS_ENV: "hold_outbound_after_chunks=2"}},
+    ).start()
     try:
         store0 = CheckpointStore(tmp_path / "node0", SESSION)
         header = publish_checkpoint(store0, 10, 0, 4, ranks_per_node=2, nbytes=4_000_000)
         with pc.nodes[0].client() as c0, pc.nodes[1].client() as c1:
             commit(c0, store0, header)
-            wait_for(lambda: [t for t in c1.status()["inbound"] if t["received"] == 2 * 256 * 1024],
-                     what="node 1 receiving")
+            wait_for(
+                lambda: [t for t in c1.status()["inbound"] if t["received"] == 2 * 256 * 1024],
+                what="node 1 receiving",
+            )
             pc.nodes[0].kill()
             wait_for(lambda: not c1.status()["inbound"], what="node 1 to drop the orphaned transfer")
             assert c1.list() == []

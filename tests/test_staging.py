@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from resilient_ckpt.manager.checkpoint_manager import MAX_ITERATION, CheckpointManager
-from resilient_ckpt.model.mapping import ShardedTensor
 from resilient_ckpt.memory.staging import SegmentPrefetcher, Stager
 from resilient_ckpt.memory.store import CheckpointStore, plan_layout
+from resilient_ckpt.model.mapping import ShardedTensor
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning"),
@@ -58,8 +58,10 @@ def _st(key, t):
 
 
 def _template(sd):
-    return {k: ShardedTensor.from_rank_offsets(k, torch.empty(v.local_shape, dtype=v.dtype, device=v.data.device))
-            for k, v in sd.items()}
+    return {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty(v.local_shape, dtype=v.dtype, device=v.data.device))
+        for k, v in sd.items()
+    }
 
 
 @pytest.fixture
@@ -71,9 +73,22 @@ def manager(tmp_root):
 
 def test_cpu_dtype_list_covers_the_dtypes_trainers_use():
     dts = set(_all_dtypes("cpu"))
-    must = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.uint8,
-            torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128,
-            torch.float8_e4m3fn, torch.float8_e5m2}
+    must = {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.complex64,
+        torch.complex128,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    }
     assert must <= dts
 
 
@@ -109,9 +124,13 @@ def test_every_dtype_and_shape_round_trips_bit_exactly_through_save_and_load(tmp
     finally:
         m.close()
     assert it == 5
-    mismatched = [k for k, v in expected.items()
-                  if state[k].dtype != v.dtype or tuple(state[k].shape) != tuple(v.shape)
-                  or not torch.equal(_bytes(state[k]), _bytes(v))]
+    mismatched = [
+        k
+        for k, v in expected.items()
+        if state[k].dtype != v.dtype
+        or tuple(state[k].shape) != tuple(v.shape)
+        or not torch.equal(_bytes(state[k]), _bytes(v))
+    ]
     assert mismatched == []
     assert all(state[k].device.type == device for k in expected)
 

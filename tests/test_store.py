@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -12,13 +11,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resilient_ckpt.memory import checksum
 from resilient_ckpt.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
     StoreError,
     StoreFullError,
 )
+from resilient_ckpt.memory import checksum
 from resilient_ckpt.memory.store import (
     FORMAT_VERSION,
     CheckpointHeader,
@@ -40,8 +39,15 @@ def _tensors(seed: int = 0):
     ]
 
 
-def _save(store: CheckpointStore, iteration: int, owner: int = 0, world_size: int = 1, seed: int = 0,
-          session: str | None = None, format_version: int = FORMAT_VERSION):
+def _save(
+    store: CheckpointStore,
+    iteration: int,
+    owner: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    session: str | None = None,
+    format_version: int = FORMAT_VERSION,
+):
     """Write one checkpoint the way the manager does: reserve, claim, copy, header last."""
     tensors = _tensors(seed)
     layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
@@ -50,11 +56,18 @@ def _save(store: CheckpointStore, iteration: int, owner: int = 0, world_size: in
     for lay, t in zip(layouts, tensors):
         seg.tensor(lay).copy_(t)
     mv = checksum.byte_view(seg.buffer)
-    layouts = [dataclasses.replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes]))
-               for l in layouts]
+    layouts = [
+        dataclasses.replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in layouts
+    ]
     header = CheckpointHeader(
-        session=session or store.session, iteration=iteration, owner=owner, world_size=world_size,
-        tensors=tuple(layouts), data_nbytes=total, meta=b"hollow", format_version=format_version,
+        session=session or store.session,
+        iteration=iteration,
+        owner=owner,
+        world_size=world_size,
+        tensors=tuple(layouts),
+        data_nbytes=total,
+        meta=b"hollow",
+        format_version=format_version,
     )
     if header.session == store.session:
         store.publish(seg, header)
@@ -81,7 +94,9 @@ def store(tmp_root):
 
 def test_files_are_named_by_session_iteration_and_owner_under_the_configured_root(store, tmp_root):
     cid, _ = _save(store, 42, owner=3, world_size=4)
-    names = sorted(p.name for p in (tmp_root / "shm" / "job").iterdir() if p.is_file() and not p.name.startswith("."))
+    names = sorted(
+        p.name for p in (tmp_root / "shm" / "job").iterdir() if p.is_file() and not p.name.startswith(".")
+    )
     assert names == [f"iter_{42:020d}.owner_{3:06d}.data", f"iter_{42:020d}.owner_{3:06d}.hdr"]
     assert store.list() == [cid] == [CheckpointId(42, 3, "job")]
     assert cid.as_tuple() == (42, 3, "job")
@@ -95,7 +110,13 @@ def test_published_checkpoint_reads_back_bit_exactly_with_checksums(store):
     assert store.open(cid).verify() == []
     h = store.read_header(cid)
     assert (h.session, h.iteration, h.owner, h.world_size, h.format_version, h.meta) == (
-        "job", 1, 0, 1, FORMAT_VERSION, b"hollow")
+        "job",
+        1,
+        0,
+        1,
+        FORMAT_VERSION,
+        b"hollow",
+    )
     assert all(l.checksum is not None for l in h.tensors)
 
 
@@ -141,7 +162,9 @@ def test_header_with_a_flipped_byte_is_reported_corrupt(store):
 
 def test_header_of_another_session_is_reported_foreign(store):
     cid, _ = _save(store, 3, session="other-job")
-    with pytest.raises(ForeignCheckpointError, match="belongs to session 'other-job'.*session_id='other-job'"):
+    with pytest.raises(
+        ForeignCheckpointError, match="belongs to session 'other-job'.*session_id='other-job'"
+    ):
         store.open(cid)
 
 
@@ -153,7 +176,10 @@ def test_header_of_another_world_size_is_reported_foreign(store):
 
 def test_header_of_another_format_version_is_reported_foreign(store):
     cid, _ = _save(store, 3, format_version=FORMAT_VERSION + 1)
-    with pytest.raises(ForeignCheckpointError, match=f"format version {FORMAT_VERSION + 1}, this build reads version {FORMAT_VERSION}"):
+    with pytest.raises(
+        ForeignCheckpointError,
+        match=f"format version {FORMAT_VERSION + 1}, this build reads version {FORMAT_VERSION}",
+    ):
         store.open(cid)
 
 
@@ -189,7 +215,8 @@ def test_a_flipped_tensor_byte_fails_that_tensors_checksum(store):
 
 
 _names = st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=12).filter(
-    lambda s: not s.startswith("."))
+    lambda s: not s.startswith(".")
+)
 _layouts = st.builds(
     TensorLayout,
     offset=st.integers(0, 1 << 40),
@@ -207,7 +234,9 @@ _headers = st.builds(
     tensors=st.lists(_layouts, max_size=5).map(tuple),
     data_nbytes=st.integers(0, 1 << 45),
     meta=st.binary(max_size=64),
-    replication=st.fixed_dictionaries({"kind": st.sampled_from(["ring", "clique"]), "factor": st.integers(1, 4)}),
+    replication=st.fixed_dictionaries(
+        {"kind": st.sampled_from(["ring", "clique"]), "factor": st.integers(1, 4)}
+    ),
     created_ns=st.integers(1, 1 << 62),
     writer=st.text(min_size=1, max_size=10),  # empty means "fill in at pack time"
 )
@@ -337,7 +366,7 @@ def test_headerless_data_dead_reservations_and_torn_header_writes_are_swept(stor
     seg = store.reserve(4 * KIB)
     store.claim(seg, 2, 0)
     seg.close()
-    dead_pid = 2 ** 22 + 12345  # above pid_max on Linux: never alive
+    dead_pid = 2**22 + 12345  # above pid_max on Linux: never alive
     (store.free_dir / f"rsv_{dead_pid}_1_0.data").write_bytes(b"x" * 100)
     live = store.reserve(4 * KIB)  # this process's reservation: left alone
     torn = store.dir / f".iter_{3:020d}.owner_000000.hdr.{dead_pid}.tmp"

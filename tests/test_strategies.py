@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from resilient_ckpt import ShardedObject, ShardedTensor
-from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError, ValidationError
+from resilient_ckpt.errors import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    ValidationError,
+)
 from resilient_ckpt.persistent.strategies import (
     DcpLoadCommonStrategy,
     DcpLoadShardedStrategy,
@@ -54,13 +59,19 @@ def test_registry_gives_default_strategies_for_both_backends():
     s = get_default_strategy(StrategyAction.SAVE_SHARDED, "memory", 1, manager=mgr)
     assert isinstance(s, MemorySaveShardedStrategy) and s.manager is mgr
     assert (s.backend, s.version) == ("memory", 1) and s.can_handle_sharded_objects
-    assert isinstance(get_default_strategy(StrategyAction.LOAD_SHARDED, "memory", 1, manager=mgr), MemoryLoadShardedStrategy)
+    assert isinstance(
+        get_default_strategy(StrategyAction.LOAD_SHARDED, "memory", 1, manager=mgr), MemoryLoadShardedStrategy
+    )
 
 
 def test_lookups_that_match_nothing_say_what_exists():
-    with pytest.raises(ValidationError, match=r"unknown checkpoint backend 'zarr'; registered backends: \['dcp', 'memory'\]"):
+    with pytest.raises(
+        ValidationError, match=r"unknown checkpoint backend 'zarr'; registered backends: \['dcp', 'memory'\]"
+    ):
         get_default_strategy(StrategyAction.SAVE_SHARDED, "zarr", 1)
-    with pytest.raises(ValidationError, match=r"no save_sharded strategy for format version 7; available versions: \[1\]"):
+    with pytest.raises(
+        ValidationError, match=r"no save_sharded strategy for format version 7; available versions: \[1\]"
+    ):
         get_default_strategy(StrategyAction.SAVE_SHARDED, "dcp", 7)
     with pytest.raises(ValidationError, match="memory backend keeps the common state inside"):
         get_default_strategy(StrategyAction.SAVE_COMMON, "memory", 1)
@@ -86,9 +97,13 @@ def test_a_registered_strategy_becomes_the_default():
 def test_load_strategies_refuse_other_backends_and_unknown_versions_naming_both():
     s = DcpLoadShardedStrategy()
     s.check_compatibility("dcp", 1)
-    with pytest.raises(ForeignCheckpointError, match="reads backend 'dcp', the checkpoint was written with backend 'memory'"):
+    with pytest.raises(
+        ForeignCheckpointError, match="reads backend 'dcp', the checkpoint was written with backend 'memory'"
+    ):
         s.check_backend_compatibility("memory")
-    with pytest.raises(ForeignCheckpointError, match=r"reads 'dcp' format versions \[1\], the checkpoint has version 3"):
+    with pytest.raises(
+        ForeignCheckpointError, match=r"reads 'dcp' format versions \[1\], the checkpoint has version 3"
+    ):
         s.check_version_compatibility(3)
 
 
@@ -97,13 +112,17 @@ def test_dcp_strategies_round_trip_sharded_objects_and_common_state(tmp_path):
     save = get_default_strategy(StrategyAction.SAVE_SHARDED, "dcp", 1, sync_files=False)
     assert save.can_handle_sharded_objects
     save.save(sd, tmp_path)
-    get_default_strategy(StrategyAction.SAVE_COMMON, "dcp", 1).save({"iteration": 1, "args": {"lr": 0.5}}, tmp_path)
+    get_default_strategy(StrategyAction.SAVE_COMMON, "dcp", 1).save(
+        {"iteration": 1, "args": {"lr": 0.5}}, tmp_path
+    )
     assert read_checkpoint_format(tmp_path) == ("dcp", 1)
     sharded, common = verify_checkpoint_and_load_strategy(tmp_path)
     assert common.load(tmp_path) == {"iteration": 1, "args": {"lr": 0.5}}
     # Another layout than saved: the whole tensor in one piece.
-    template = {"w": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, 3)),
-                "rng": ShardedObject("rng", None, (1,), (0,))}
+    template = {
+        "w": ShardedTensor.from_rank_offsets("layer.w", torch.zeros(4, 3)),
+        "rng": ShardedObject("rng", None, (1,), (0,)),
+    }
     out = sharded.load(template, tmp_path)
     assert torch.equal(out["w"], w) and out["rng"] == {"seed": 1}
     meta = sharded.load_tensors_metadata(tmp_path)

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from harness import run_ranks
-from resilient_ckpt.model import codec
 from resilient_ckpt.errors import CheckpointingException, HollowStateError, ValidationError
+from resilient_ckpt.model import codec
 from resilient_ckpt.model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from resilient_ckpt.model.nested import HOLE
-from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
 from resilient_ckpt.model.validation import StrictHandling
+from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict as TASD
 
 
 def _mcore():
@@ -62,31 +62,72 @@ def megatron_like(rank, world, tp, step=1, layers=2, empty=False, use_mcore=Fals
     model, optim = {}, {}
     for i in range(layers):
         p = f"decoder.layers.{i}."
-        model[p + "qkv.weight"] = _sharded(p + "qkv.weight", (6, 8), torch.bfloat16, step,
-                                           [(0, tp_rank, tp)], (0, 0, dp_rank), empty=empty, cls=cls)
-        model[p + "proj.weight"] = _sharded(p + "proj.weight", (8, 4), torch.float32, step,
-                                            [(1, tp_rank, tp)], (0, 0, dp_rank), empty=empty, cls=cls)
-        model[p + "norm.weight"] = _sharded(p + "norm.weight", (8,), torch.float32, step, [],
-                                            (0, tp_rank, dp_rank), empty=empty, cls=cls)
+        model[p + "qkv.weight"] = _sharded(
+            p + "qkv.weight",
+            (6, 8),
+            torch.bfloat16,
+            step,
+            [(0, tp_rank, tp)],
+            (0, 0, dp_rank),
+            empty=empty,
+            cls=cls,
+        )
+        model[p + "proj.weight"] = _sharded(
+            p + "proj.weight",
+            (8, 4),
+            torch.float32,
+            step,
+            [(1, tp_rank, tp)],
+            (0, 0, dp_rank),
+            empty=empty,
+            cls=cls,
+        )
+        model[p + "norm.weight"] = _sharded(
+            p + "norm.weight", (8,), torch.float32, step, [], (0, tp_rank, dp_rank), empty=empty, cls=cls
+        )
         # One global tensor for all layers: axis 0 (prepended) is the layer index.
-        model[p + "stacked.bias"] = _sharded("decoder.stacked.bias", (4,), torch.float16, step,
-                                             [(0, i, layers), (1, tp_rank, tp)], (0, 0, dp_rank),
-                                             prepend=1, empty=empty, cls=cls)
-        optim[f"exp_avg.{i}"] = _sharded(f"optimizer.exp_avg.{i}", (6, 8), torch.float32, step,
-                                         [(0, tp_rank, tp)], (0, 0, dp_rank), empty=empty, cls=cls)
+        model[p + "stacked.bias"] = _sharded(
+            "decoder.stacked.bias",
+            (4,),
+            torch.float16,
+            step,
+            [(0, i, layers), (1, tp_rank, tp)],
+            (0, 0, dp_rank),
+            prepend=1,
+            empty=empty,
+            cls=cls,
+        )
+        optim[f"exp_avg.{i}"] = _sharded(
+            f"optimizer.exp_avg.{i}",
+            (6, 8),
+            torch.float32,
+            step,
+            [(0, tp_rank, tp)],
+            (0, 0, dp_rank),
+            empty=empty,
+            cls=cls,
+        )
     sd = {
         "model": model,
         "optimizer": {"state": optim, "param_groups": [{"lr": 0.1 * step, "betas": (0.9, 0.95)}]},
-        "rng_state": obj("rng_state", None if empty else {"seed": 1234 + rank, "state": torch.arange(
-            4, dtype=torch.uint8) + rank}, (tp, dp), (tp_rank, dp_rank)),
-        "data_state": obj("data_state", None if empty else {"consumed": 100 * step}, (1,), (0,),
-                          replica_id=rank),
+        "rng_state": obj(
+            "rng_state",
+            None if empty else {"seed": 1234 + rank, "state": torch.arange(4, dtype=torch.uint8) + rank},
+            (tp, dp),
+            (tp_rank, dp_rank),
+        ),
+        "data_state": obj(
+            "data_state", None if empty else {"consumed": 100 * step}, (1,), (0,), replica_id=rank
+        ),
         "iteration": step,
         "args": {"lr": 0.1, "seq": [1, 2, 3]},
     }
     if mixed:  # a list mixing tensors and plain values (Megatron-core loses positions there)
-        sd["mixed"] = [_sharded("mixed.t", (3,), torch.int64, step, [(0, rank, world)], 0, empty=empty,
-                                cls=cls), "plain", 7]
+        sd["mixed"] = [
+            _sharded("mixed.t", (3,), torch.int64, step, [(0, rank, world)], 0, empty=empty, cls=cls),
+            "plain",
+            7,
+        ]
     return sd
 
 
@@ -116,8 +157,13 @@ def same(a, b, path="") -> str:
             return f"{path}: {a!r} vs {b!r}"
         return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := same(x, y, f"{path}/{i}"))), "")
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ok = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-              and a.shape == b.shape and torch.equal(_raw(a), _raw(b)))
+        ok = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(_raw(a), _raw(b))
+        )
         return "" if ok else f"{path}: tensors differ"
     return "" if a == b else f"{path}: {a!r} vs {b!r}"
 
@@ -140,11 +186,18 @@ def test_is_a_tensor_aware_state_dict_with_megatrons_defaults():
     assert fs["cached_metadata"].default is None
     ts = inspect.signature(TASD.to_state_dict).parameters
     # Megatron-core's parameters, in order; our extensions are keyword-only after them.
-    assert [(n, p.default) for n, p in ts.items()
-            if n not in ("self", "sharded_state_dict") and p.kind != p.KEYWORD_ONLY] == [
-        ("algo", "atomic"), ("exchange_algo", "broadcast"), ("validate_access_integrity", True),
-        ("parallelization_group", None), ("strict", StrictHandling.ASSUME_OK_UNEXPECTED),
-        ("return_mismatch_keys", False)]
+    assert [
+        (n, p.default)
+        for n, p in ts.items()
+        if n not in ("self", "sharded_state_dict") and p.kind != p.KEYWORD_ONLY
+    ] == [
+        ("algo", "atomic"),
+        ("exchange_algo", "broadcast"),
+        ("validate_access_integrity", True),
+        ("parallelization_group", None),
+        ("strict", StrictHandling.ASSUME_OK_UNEXPECTED),
+        ("return_mismatch_keys", False),
+    ]
     assert inspect.signature(TASD.copy_tensors_to_cpu).parameters["non_blocking"].default is False
     assert inspect.signature(TASD.restore_tensor_device).parameters["non_blocking"].default is True
 
@@ -199,7 +252,10 @@ def test_insert_with_wrong_count_shape_dtype_or_type_names_the_shard():
         tasd.insert_tensors(popped[:-1])
     bad = list(popped)
     bad[1] = torch.zeros(3, 3)
-    with pytest.raises(ValidationError, match=rf"'{meta[1].key}' at offset .* expects torch.float32 \(8, 4\), got torch.float32 \(3, 3\)"):
+    with pytest.raises(
+        ValidationError,
+        match=rf"'{meta[1].key}' at offset .* expects torch.float32 \(8, 4\), got torch.float32 \(3, 3\)",
+    ):
         tasd.insert_tensors(bad)
     bad[1] = popped[1].double()
     with pytest.raises(ValidationError, match=rf"'{meta[1].key}'.*got torch.float64"):
@@ -218,7 +274,8 @@ def test_init_tensors_allocates_matching_empty_tensors_on_the_recorded_device():
     tasd.init_tensors()
     assert not tasd.is_hollow
     assert [(t.shape, t.dtype, t.device) for t in tasd.tensors] == [
-        (p.shape, p.dtype, p.device) for p in popped]
+        (p.shape, p.dtype, p.device) for p in popped
+    ]
     assert all(t is not p for t, p in zip(tasd.tensors, popped))
     with pytest.raises(HollowStateError):
         tasd.init_tensors()
@@ -255,7 +312,9 @@ def _random_state_dict(draw):
         if draw(st.booleans()):
             lst.append(draw(st.one_of(st.integers(), st.text(max_size=3), st.none())))
     sd["l"] = lst
-    sd["o"] = ShardedObject("o", draw(st.dictionaries(st.text(max_size=3), st.integers(), max_size=3)), (1,), (0,))
+    sd["o"] = ShardedObject(
+        "o", draw(st.dictionaries(st.text(max_size=3), st.integers(), max_size=3)), (1,), (0,)
+    )
     sd["c"] = draw(st.integers())
     return sd
 
@@ -267,6 +326,7 @@ def _template_of(sd):
         if isinstance(v, ShardedObject):
             return ShardedObject(v.key, None, v.global_shape, v.global_offset)
         return v
+
     return {k: ([t(x) for x in v] if isinstance(v, list) else t(v)) for k, v in sd.items()}
 
 
@@ -294,15 +354,17 @@ def test_hollow_form_is_small_msgpack_without_pickle():
     assert len(blob) < 2048 + 300 * n, f"hollow form is {len(blob)} bytes for {n} shards"
     # Its size does not depend on the tensors' sizes.
     for numel in (10, 1_000_000):
-        t, _ = TASD.from_state_dict({f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.zeros(numel))
-                                     for i in range(50)})
+        t, _ = TASD.from_state_dict(
+            {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.zeros(numel)) for i in range(50)}
+        )
         t.pop_tensors()
         size = len(t.to_bytes())
         assert size < 300 * 50, size
     back = TASD.from_bytes(blob)  # decode refuses pickle by default: none was needed
     assert back.is_hollow and back._devices == tasd._devices and back._saved == tasd._saved
     assert [(m.key, m.global_offset, m.dtype) for m in back.tensor_metadata] == [
-        (m.key, m.global_offset, m.dtype) for m in tasd.tensor_metadata]
+        (m.key, m.global_offset, m.dtype) for m in tasd.tensor_metadata
+    ]
     assert back.common_state_dict == tasd.common_state_dict
     assert tensor_bytes > 0
     full, _ = TASD.from_state_dict(megatron_like(0, 1, 1))
@@ -322,8 +384,10 @@ def test_megatron_objects_factories_and_nonpersistent_values_are_accepted():
     w = torch.arange(6.0)
 
     def build(key, data, replica_id, flattened_range):
-        return {"a": mcore.ShardedTensor.from_rank_offsets(key + ".a", data[:3].clone()),
-                "b": mcore.ShardedTensor.from_rank_offsets(key + ".b", data[3:].clone())}
+        return {
+            "a": mcore.ShardedTensor.from_rank_offsets(key + ".a", data[:3].clone()),
+            "b": mcore.ShardedTensor.from_rank_offsets(key + ".b", data[3:].clone()),
+        }
 
     def merge_fn(sub):
         return torch.cat([sub["a"], sub["b"]])
@@ -363,15 +427,24 @@ def test_template_shape_or_dtype_mismatch_names_the_key():
     tasd, _ = TASD.from_state_dict(_single())
     t = megatron_like(0, 1, 1, empty=True)
     t["model"]["decoder.layers.0.proj.weight"] = ShardedTensor.from_rank_offsets(
-        "decoder.layers.0.proj.weight", torch.zeros(8, 4, dtype=torch.float16))
-    with pytest.raises(ValidationError, match="'decoder.layers.0.proj.weight'.*checkpoint has dtype torch.float32"):
+        "decoder.layers.0.proj.weight", torch.zeros(8, 4, dtype=torch.float16)
+    )
+    with pytest.raises(
+        ValidationError, match="'decoder.layers.0.proj.weight'.*checkpoint has dtype torch.float32"
+    ):
         tasd.to_state_dict(t)
     t = megatron_like(0, 1, 1, empty=True)
     t["model"]["decoder.layers.0.proj.weight"] = ShardedTensor.from_rank_offsets(
-        "decoder.layers.0.proj.weight", torch.zeros(8, 2), (1, 1, 2))
-    with pytest.raises(ValidationError, match=r"'decoder.layers.0.proj.weight': main replicas cover 16 of 32"):
+        "decoder.layers.0.proj.weight", torch.zeros(8, 2), (1, 1, 2)
+    )
+    with pytest.raises(
+        ValidationError, match=r"'decoder.layers.0.proj.weight': main replicas cover 16 of 32"
+    ):
         tasd.to_state_dict(t)  # the template itself leaves a gap
-    with pytest.raises(ValidationError, match=r"shard 'decoder.layers.0.proj.weight' at offset \(0, 2\) is in no rank's checkpoint"):
+    with pytest.raises(
+        ValidationError,
+        match=r"shard 'decoder.layers.0.proj.weight' at offset \(0, 2\) is in no rank's checkpoint",
+    ):
         tasd.to_state_dict(t, validate_access_integrity=False)
 
 
@@ -389,16 +462,20 @@ def test_default_strictness_raises_on_unexpected_keys_naming_them():
         tasd.to_state_dict(_with_extra_key())
 
 
-@pytest.mark.parametrize("strict", ["log_unexpected", "return_unexpected", "log_all", "return_all", "ignore_all"])
+@pytest.mark.parametrize(
+    "strict", ["log_unexpected", "return_unexpected", "log_all", "return_all", "ignore_all"]
+)
 def test_non_raising_strictness_drops_unexpected_keys_and_reports_them(strict, caplog):
     tasd, _ = TASD.from_state_dict(_single())
     with caplog.at_level(logging.WARNING):
-        out, missing, unexpected = tasd.to_state_dict(_with_extra_key(), strict=strict,
-                                                      return_mismatch_keys=True)
+        out, missing, unexpected = tasd.to_state_dict(
+            _with_extra_key(), strict=strict, return_mismatch_keys=True
+        )
     assert "new.weight" not in out["model"] and "new_obj" not in out
     assert "exp_avg.1" not in out["optimizer"]["state"]
-    assert torch.equal(out["model"]["decoder.layers.1.qkv.weight"],
-                       _single()["model"]["decoder.layers.1.qkv.weight"].data)
+    assert torch.equal(
+        out["model"]["decoder.layers.1.qkv.weight"], _single()["model"]["decoder.layers.1.qkv.weight"].data
+    )
     if strict == "ignore_all":
         assert missing == set() and unexpected == set()
     else:
@@ -418,10 +495,17 @@ def test_raise_all_reports_checkpoint_keys_the_template_does_not_ask_for():
 
 
 def test_checkpoint_list_entries_the_template_leaves_out_come_back_as_none():
-    tasd, _ = TASD.from_state_dict({"l": [ShardedTensor.from_rank_offsets("a", torch.ones(1)),
-                                          ShardedTensor.from_rank_offsets("b", torch.ones(1))]})
-    out = tasd.to_state_dict({"l": [None, ShardedTensor.from_rank_offsets("b", torch.zeros(1))]},
-                             strict="log_all")
+    tasd, _ = TASD.from_state_dict(
+        {
+            "l": [
+                ShardedTensor.from_rank_offsets("a", torch.ones(1)),
+                ShardedTensor.from_rank_offsets("b", torch.ones(1)),
+            ]
+        }
+    )
+    out = tasd.to_state_dict(
+        {"l": [None, ShardedTensor.from_rank_offsets("b", torch.zeros(1))]}, strict="log_all"
+    )
     assert out["l"][0] is None and torch.equal(out["l"][1], torch.ones(1))
 
 
@@ -443,12 +527,14 @@ def _roundtrip_rank(ctx, tp, use_group):
     peer = (r + tp) % w
     expected["peer_rng"] = plain_values(megatron_like(peer, w, tp))["rng_state"]
     template = megatron_like(r, w, tp, empty=True)
-    template["peer_rng"] = ShardedObject("rng_state", None, (tp, w // tp), (peer % tp, peer // tp),
-                                         replica_id=1)
+    template["peer_rng"] = ShardedObject(
+        "rng_state", None, (tp, w // tp), (peer % tp, peer // tp), replica_id=1
+    )
     diffs = []
     for algo in ("broadcast", "p2p"):
-        out = tasd.to_state_dict(template, algo="fully_parallel", exchange_algo=algo,
-                                 parallelization_group=group)
+        out = tasd.to_state_dict(
+            template, algo="fully_parallel", exchange_algo=algo, parallelization_group=group
+        )
         diffs.append(same(out, expected))
     return saved_bytes, distribution.rank_bytes, diffs
 
@@ -456,7 +542,7 @@ def _roundtrip_rank(ctx, tp, use_group):
 @pytest.mark.multiprocess
 def test_two_data_parallel_ranks_save_half_each_and_restore_bit_exact(tmp_root):
     out = run_ranks(_roundtrip_rank, 2, tmp_root, args=(1, False), timeout=90)
-    for saved, rank_bytes, diffs in out:
+    for _saved, _rank_bytes, diffs in out:
         assert diffs == ["", ""], diffs
     assert [o[0] for o in out] == list(out[0][1])
     assert max(out[0][1]) / (sum(out[0][1]) / 2) < 1.1, out[0][1]
@@ -465,7 +551,7 @@ def test_two_data_parallel_ranks_save_half_each_and_restore_bit_exact(tmp_root):
 @pytest.mark.multiprocess
 def test_tp2_dp2_with_a_data_parallel_group_restores_bit_exact(tmp_root):
     out = run_ranks(_roundtrip_rank, 4, tmp_root, args=(2, True), timeout=120)
-    for saved, rank_bytes, diffs in out:
+    for _saved, _rank_bytes, diffs in out:
         assert diffs == ["", ""], diffs
     # Each DP group (ranks {0, 2} and {1, 3}) splits its tensor-parallel slice in two.
     for a, b in ((0, 2), (1, 3)):
@@ -477,8 +563,9 @@ def _atomic_rank(ctx):
     r = ctx.rank
     # Atomic save: every rank keeps all its shards; an atomic load needs no exchange.
     tasd, d = TASD.from_state_dict(megatron_like(r, 2, 1), algo="atomic")
-    atomic = same(tasd.to_state_dict(megatron_like(r, 2, 1, empty=True)),
-                  plain_values(megatron_like(r, 2, 1)))
+    atomic = same(
+        tasd.to_state_dict(megatron_like(r, 2, 1, empty=True)), plain_values(megatron_like(r, 2, 1))
+    )
     tasd, d = TASD.from_state_dict(megatron_like(r, 2, 1))  # fully parallel save
     try:
         tasd.to_state_dict(megatron_like(r, 2, 1, empty=True))  # algo="atomic"
@@ -512,10 +599,12 @@ def _bad_template_rank(ctx, case):
     if r == 1:
         if case == "wrong_shape":
             t["model"]["decoder.layers.1.proj.weight"] = ShardedTensor.from_rank_offsets(
-                "decoder.layers.1.proj.weight", torch.zeros(4, 4), (0, 1, 2))
+                "decoder.layers.1.proj.weight", torch.zeros(4, 4), (0, 1, 2)
+            )
         elif case == "unknown_key":
             t["model"]["no.such.weight"] = ShardedTensor.from_rank_offsets("no.such.weight", torch.zeros(2))
         elif case == "broken_factory":
+
             class BrokenFactory:  # any object with build/merge_fn is a factory, as in Megatron
                 def build(self):
                     raise ValidationError("factory 'f' cannot build: bad shapes")
@@ -525,12 +614,15 @@ def _bad_template_rank(ctx, case):
 
             t["f"] = BrokenFactory()
         elif case == "wrong_dtype_remote_shard":
-            t["mixed"][0] = ShardedTensor.from_rank_offsets("mixed.t", torch.zeros(3, dtype=torch.int32), (0, 0, w))
+            t["mixed"][0] = ShardedTensor.from_rank_offsets(
+                "mixed.t", torch.zeros(3, dtype=torch.int32), (0, 0, w)
+            )
     try:
         # The dtype check on shards arriving from another rank is what this case is about;
         # integrity validation of the templates would catch the disagreement first.
-        tasd.to_state_dict(t, algo="fully_parallel",
-                           validate_access_integrity=case != "wrong_dtype_remote_shard")
+        tasd.to_state_dict(
+            t, algo="fully_parallel", validate_access_integrity=case != "wrong_dtype_remote_shard"
+        )
     except CheckpointingException as e:
         return f"to_state_dict: {type(e).__name__}: {e}"
     return "no error"
@@ -578,7 +670,8 @@ def _strict_rank(ctx):
     if r == 1:
         t["model"]["only.rank1.weight"] = ShardedTensor.from_rank_offsets("only.rank1.weight", torch.zeros(2))
     out, missing, unexpected = tasd.to_state_dict(
-        t, algo="fully_parallel", strict="return_unexpected", return_mismatch_keys=True)
+        t, algo="fully_parallel", strict="return_unexpected", return_mismatch_keys=True
+    )
     expected = plain_values(megatron_like(r, w, 1))
     return same(out, expected), sorted(unexpected), sorted(missing)
 

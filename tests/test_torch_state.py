@@ -165,8 +165,11 @@ def _manager(ctx, session: str):
 
     nodes = ctx.world_size // ctx.ranks_per_node
     return CheckpointManager(
-        session_id=session, store_root=ctx.store_root, replication_factor=min(2, nodes),
-        ranks_per_node=ctx.ranks_per_node, timeout_s=30,
+        session_id=session,
+        store_root=ctx.store_root,
+        replication_factor=min(2, nodes),
+        ranks_per_node=ctx.ranks_per_node,
+        timeout_s=30,
     )
 
 

@@ -22,7 +22,7 @@ import pytest
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
-    '''
+    """
     import hashlib, json, os, signal, sys
     from datetime import timedelta
 
@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent(
         }, f)
     manager.close()
     dist.destroy_process_group()
-    '''
+    """
 )
 
 
@@ -93,7 +93,10 @@ def _torchrun(tmp_path: Path, name: str, steps: int, every: int, kill_after: int
     out.mkdir()
     store = tmp_path / f"{name}-store"
     env = dict(
-        os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
+        os.environ,
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONWARNINGS="ignore",
         # torchrun shares its rendezvous TCPStore with the workers and, since torch 2.5, no longer
         # prefixes keys per attempt: a restarted worker can read its peer's gloo address from the
         # failed attempt and die with "connectFullMesh failed ... Connection refused"
@@ -101,12 +104,24 @@ def _torchrun(tmp_path: Path, name: str, steps: int, every: int, kill_after: int
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=1", "--monitor-interval=0.1",
-        str(script), str(store), str(out), str(steps), str(every), str(kill_after),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        str(script),
+        str(store),
+        str(out),
+        str(steps),
+        str(every),
+        str(kill_after),
     ]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}, proc.stderr
 
 

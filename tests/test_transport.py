@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
 
+from harness import run_ranks
 from resilient_ckpt.errors import ReplicationError, StoreFullError
 from resilient_ckpt.replication.transport import (
     Incoming,
@@ -84,8 +84,7 @@ def _ring_exchange(ctx):
     transport = P2PTransport(new_checkpoint_group(timeout_s=30), chunk_bytes=CHUNK)
     stats = transport.exchange(out, [Incoming(prev, allocate_for(i)) for i in range(len(SIZES))])
     exact = [
-        seg.file_bytes(f"in{i}") == _expected(prev, r, i, n).numpy().tobytes()
-        for i, n in enumerate(SIZES)
+        seg.file_bytes(f"in{i}") == _expected(prev, r, i, n).numpy().tobytes() for i, n in enumerate(SIZES)
     ]
     return seen, exact, stats.bytes_sent, stats.bytes_received, dict(stats.per_peer)
 
@@ -99,9 +98,7 @@ def test_ring_of_three_sends_to_next_while_receiving_from_previous_bit_exactly(t
         assert seen == [(i, _header(prev, i, n), n) for i, n in enumerate(SIZES)]
         assert exact == [True] * len(SIZES)
         total = sum(n + len(_header(r, i, n)) for i, n in enumerate(SIZES))
-        assert sent == total and received == sum(
-            n + len(_header(prev, i, n)) for i, n in enumerate(SIZES)
-        )
+        assert sent == total and received == sum(n + len(_header(prev, i, n)) for i, n in enumerate(SIZES))
         assert per_peer[nxt].bytes_sent == total and per_peer[prev].bytes_received == received
 
 
@@ -128,9 +125,7 @@ def _swap(ctx, size):
 
     torch.Tensor.copy_ = counting_copy
     try:
-        stats = transport.exchange(
-            [Outgoing(peer, b"h%d" % r, payload)], [Incoming(peer, allocate)]
-        )
+        stats = transport.exchange([Outgoing(peer, b"h%d" % r, payload)], [Incoming(peer, allocate)])
     finally:
         torch.Tensor.copy_ = real_copy
     want = _expected(peer, r, 0, size)
@@ -270,9 +265,7 @@ def _bad_inputs(ctx):
         transport.exchange([Outgoing(1, b"h", ok)], [])
     else:
         try:  # allocate returns the wrong size: rejected by name, bytes drained
-            transport.exchange(
-                [], [Incoming(0, lambda h, n: torch.empty(n + 1, dtype=torch.uint8))]
-            )
+            transport.exchange([], [Incoming(0, lambda h, n: torch.empty(n + 1, dtype=torch.uint8))])
             errors.append("no error")
         except ReplicationError as e:
             errors.append(str(e))
@@ -324,16 +317,12 @@ def _staged_ring(ctx):
             [
                 Incoming(
                     prev,
-                    lambda h, n, i=i, dest=dest: dest.setdefault(
-                        i, torch.empty(n, dtype=torch.uint8)
-                    ),
+                    lambda h, n, i=i, dest=dest: dest.setdefault(i, torch.empty(n, dtype=torch.uint8)),
                 )
                 for i in range(len(SIZES))
             ],
         )
-        results.append(
-            [torch.equal(dest[i], _expected(prev, r, attempt, n)) for i, n in enumerate(SIZES)]
-        )
+        results.append([torch.equal(dest[i], _expected(prev, r, attempt, n)) for i, n in enumerate(SIZES)])
         buffers.append(sorted(b.data_ptr() for b in transport._bounce.values()))
     return results, buffers[0] == buffers[1] and len(buffers[0]) > 0
 

@@ -27,8 +27,16 @@ with warnings.catch_warnings():  # megatron-core warns about optional extras at 
 
 
 def _box_st(key, start, stop, gshape, main=True, dtype=torch.float32):
-    return ShardedTensor(key, None, dtype, tuple(b - a for a, b in zip(start, stop)), gshape,
-                         tuple(start), None, 0 if main else 1)
+    return ShardedTensor(
+        key,
+        None,
+        dtype,
+        tuple(b - a for a, b in zip(start, stop)),
+        gshape,
+        tuple(start),
+        None,
+        0 if main else 1,
+    )
 
 
 @st.composite
@@ -69,8 +77,13 @@ def test_random_tilings_with_replicas_are_accepted(case):
 @given(_tiling(), st.data())
 def test_a_grown_shard_that_overlaps_its_neighbour_is_rejected(case, data):
     gshape, boxes, ranks = case
-    growable = [(r, i, ax) for r, bs in enumerate(ranks) for i, (s, e, m) in enumerate(bs)
-                for ax in range(len(gshape)) if m and e[ax] < gshape[ax]]
+    growable = [
+        (r, i, ax)
+        for r, bs in enumerate(ranks)
+        for i, (s, e, m) in enumerate(bs)
+        for ax in range(len(gshape))
+        if m and e[ax] < gshape[ax]
+    ]
     if not growable:
         return  # a single box covering everything cannot overlap anything
     r, i, ax = data.draw(st.sampled_from(growable))
@@ -115,8 +128,11 @@ def test_megatron_style_tp_dp_layout_is_accepted():
 def _one(key="w", **kw):
     base = dict(start=(0,), stop=(4,), gshape=(4,), main=True)
     base.update(kw)
-    return shard_record(_box_st(key, base["start"], base["stop"], base["gshape"], base["main"],
-                                base.get("dtype", torch.float32)))
+    return shard_record(
+        _box_st(
+            key, base["start"], base["stop"], base["gshape"], base["main"], base.get("dtype", torch.float32)
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -184,7 +200,10 @@ def test_rank_unique_objects_covering_their_grid_are_accepted():
 @pytest.mark.parametrize(
     "objs,msg",
     [
-        ([[_obj("rng", (0,), (2,))], [_obj("rng", (0,), (2,))]], r"'rng' \(object\): offset \(0,\) has 2 main"),
+        (
+            [[_obj("rng", (0,), (2,))], [_obj("rng", (0,), (2,))]],
+            r"'rng' \(object\): offset \(0,\) has 2 main",
+        ),
         ([[_obj("rng", (0,), (2,))]], r"'rng' \(object\): 1 main replicas for a grid of 2"),
         ([[_obj("rng", (0,), (2,))], [_obj("rng", (0,), (3,))]], "disagree on global shape"),
         ([[_obj("rng", (0,), (2,))], [_obj("rng", (2,), (2,))]], r"offset \(2,\) lies outside the grid"),
@@ -202,19 +221,24 @@ def test_strict_handling_has_megatron_cores_members_and_values():
     assert [(m.name, m.value) for m in StrictHandling] == [(m.name, m.value) for m in McoreStrict]
     for m in StrictHandling:
         theirs = McoreStrict[m.name]
-        assert StrictHandling.requires_explicit_ckpt_mismatch_check(m) == \
-            McoreStrict.requires_explicit_ckpt_mismatch_check(theirs)
-        assert StrictHandling.requires_global_app_metadata(m) == \
-            McoreStrict.requires_global_app_metadata(theirs)
-        assert StrictHandling.requires_returning_mismatch_keys(m) == \
-            McoreStrict.requires_returning_mismatch_keys(theirs)
+        assert StrictHandling.requires_explicit_ckpt_mismatch_check(
+            m
+        ) == McoreStrict.requires_explicit_ckpt_mismatch_check(theirs)
+        assert StrictHandling.requires_global_app_metadata(m) == McoreStrict.requires_global_app_metadata(
+            theirs
+        )
+        assert StrictHandling.requires_returning_mismatch_keys(
+            m
+        ) == McoreStrict.requires_returning_mismatch_keys(theirs)
 
 
 def test_strict_flags_parse_from_strings_ours_and_megatrons_enum():
     assert parse_strict_flag("log_all") is StrictHandling.LOG_ALL
     assert parse_strict_flag(StrictHandling.RAISE_ALL) is StrictHandling.RAISE_ALL
     assert parse_strict_flag(McoreStrict.RETURN_UNEXPECTED) is StrictHandling.RETURN_UNEXPECTED
-    with pytest.raises(ValidationError, match="invalid strict flag 'loose'; use one of: assume_ok_unexpected"):
+    with pytest.raises(
+        ValidationError, match="invalid strict flag 'loose'; use one of: assume_ok_unexpected"
+    ):
         parse_strict_flag("loose")
 
 
@@ -231,8 +255,9 @@ class _Log:
         self.lines.append(fmt % args)
 
 
-@pytest.mark.parametrize("strict", [StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL,
-                                    StrictHandling.ASSUME_OK_UNEXPECTED])
+@pytest.mark.parametrize(
+    "strict", [StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL, StrictHandling.ASSUME_OK_UNEXPECTED]
+)
 def test_unexpected_keys_raise_naming_them_under_raising_flags(strict):
     with pytest.raises(CheckpointingException, match="not in the checkpoint: dec.w, new.b"):
         apply_strictness(strict, set(), {"new.b", "dec.w"}, _Log())

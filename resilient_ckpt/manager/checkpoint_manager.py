@@ -76,20 +76,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-
-
-
-
-
-
-
-
-
 #: the flat keyword arguments' defaults: a flat argument left at its default defers to its group
 _FLAT_DEFAULTS = {
-    "replication_factor": 2, "replication_jump": None, "placement": "ring", "ranks_per_node": None,
-    "replication_backend": "gloo", "persistent_dir": None, "flush_every": 0,
-    "flush_on_sigterm": False, "endpoint": None,
+    "replication_factor": 2,
+    "replication_jump": None,
+    "placement": "ring",
+    "ranks_per_node": None,
+    "replication_backend": "gloo",
+    "persistent_dir": None,
+    "flush_every": 0,
+    "flush_on_sigterm": False,
+    "endpoint": None,
 }
 
 
@@ -169,9 +166,17 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         # Flat keyword arguments the caller actually passed (defaults defer to the groups).
         flat = {k: v for k, v in locals().items() if k in FLAT and v != _FLAT_DEFAULTS[k]}
         self.options = opts = resolve(
-            flat, replication, persistent, service, mode,
-            store_root=store_root, keep_last=keep_last, memory_budget=memory_budget,
-            timeout_s=timeout_s, exchange_algo=exchange_algo, fault_hook=fault_hook,
+            flat,
+            replication,
+            persistent,
+            service,
+            mode,
+            store_root=store_root,
+            keep_last=keep_last,
+            memory_budget=memory_budget,
+            timeout_s=timeout_s,
+            exchange_algo=exchange_algo,
+            fault_hook=fault_hook,
         )
         self.session_id = _session_id(session_id if session_id is not None else session)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -195,7 +200,8 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         if self.world_size == 1 and factor > 1:
             logger.warning(
                 "a single process has no peer to hold a replica: checkpoints stay in this node's "
-                "memory only (replication_factor=%d ignored)", factor,
+                "memory only (replication_factor=%d ignored)",
+                factor,
             )
             factor = 1
         make = ring_placement if rep.placement == "ring" else clique_placement
@@ -287,8 +293,9 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         everyone = collectives.all_gather_msgpack(mine, self._control)
         out = None
         for ranks in sorted({tuple(r) for r in everyone}):
-            g = dist.new_group(list(ranks), timeout=timedelta(seconds=self.timeout_s),
-                               backend=self.replication_backend)
+            g = dist.new_group(
+                list(ranks), timeout=timedelta(seconds=self.timeout_s), backend=self.replication_backend
+            )
             if list(ranks) == mine:
                 out = g
         return out
@@ -318,34 +325,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
 
     # ---- save ------------------------------------------------------------------------------------
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
     # ---- find / load -------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
 
     # ---- nvidia-resiliency-ext LocalCheckpointManager compatibility ---------------------------
 
@@ -360,9 +340,6 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
         return AsyncRequest(_noop, (), [lambda: handle.wait() and None])
-
-
-
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -407,11 +384,11 @@ def _session_id(given: Optional[str]) -> str:
     logger.log(
         logging.INFO if stable else logging.WARNING,
         "no session_id given: using %r, derived from %s; pass CheckpointManager(session_id=...) "
-        "naming the job so its restarts find its checkpoints", derived, source,
+        "naming the job so its restarts find its checkpoints",
+        derived,
+        source,
     )
     return derived
-
-
 
 
 def _is_world(group) -> bool:
@@ -420,9 +397,3 @@ def _is_world(group) -> bool:
 
 def _noop() -> None:
     return None
-
-
-
-
-
-

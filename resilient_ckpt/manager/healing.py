@@ -44,7 +44,9 @@ class Healing:
             logger.warning(
                 "iteration %d was restored with %d copies missing (owners %s); re-creating them "
                 "in the background (%.1f MiB) so a further failure loses nothing",
-                iteration, metrics.copies, rank_ranges(sorted({r.owner for r in plan.repairs})),
+                iteration,
+                metrics.copies,
+                rank_ranges(sorted({r.owner for r in plan.repairs})),
                 metrics.bytes / (1 << 20),
             )
         future = self._worker.submit(self._heal, plan, metrics, time.perf_counter())
@@ -69,8 +71,11 @@ class Healing:
         if m.whole:
             if self.rank == 0:
                 logger.warning(
-                    "redundancy of iteration %d is whole again: %d copies (%.1f MiB) re-created "
-                    "in %.2fs", m.iteration, m.copies, m.bytes / (1 << 20), m.seconds,
+                    "redundancy of iteration %d is whole again: %d copies (%.1f MiB) re-created in %.2fs",
+                    m.iteration,
+                    m.copies,
+                    m.bytes / (1 << 20),
+                    m.seconds,
                 )
         else:
             logger.warning(

@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..errors import CheckpointingException, ValidationError
-from .checkpoint_manager import CheckpointManager, SaveHandle
 from ..model.torch_state import TrainState
+from .checkpoint_manager import CheckpointManager, SaveHandle
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,9 @@ class CheckpointHook:
                 raise
             logger.warning(
                 "local checkpoint of session %r could not be restored (%s); falling back to "
-                "the caller's loader", session, e,
+                "the caller's loader",
+                session,
+                e,
             )
             return self._fallback()
         if result is None:
@@ -197,11 +199,15 @@ class CheckpointHook:
                 "copy was lost)"
             )
             if self.fallback_loader is not None:
-                logger.warning("no local checkpoint of session %r to restore: %s; using the "
-                               "caller's loader", session, why)
+                logger.warning(
+                    "no local checkpoint of session %r to restore: %s; using the caller's loader",
+                    session,
+                    why,
+                )
                 return self._fallback()
-            logger.warning("no local checkpoint of session %r to restore: %s; starting at step 0",
-                           session, why)
+            logger.warning(
+                "no local checkpoint of session %r to restore: %s; starting at step 0", session, why
+            )
             return 0
         state, iteration = result
         if self.state is not None:

@@ -96,8 +96,12 @@ class LoadPath:
             if out is not None:
                 return out
         retrieved, iteration = self._retrieve_latest(
-            borrow=True, targets=targets, holdings=holdings, failure=local,
-            template=template, strict=strict,
+            borrow=True,
+            targets=targets,
+            holdings=holdings,
+            failure=local,
+            template=template,
+            strict=strict,
         )
         if retrieved is None:
             return None
@@ -127,7 +131,11 @@ class LoadPath:
         m.total_s = time.perf_counter() - t0
         logger.info(
             "rank %d restored iteration %d from %s (rank %d) in %.3fs",
-            self.rank, iteration, m.source, m.source_rank, m.total_s,
+            self.rank,
+            iteration,
+            m.source,
+            m.source_rank,
+            m.total_s,
         )
         return state, iteration
 
@@ -157,8 +165,10 @@ class LoadPath:
         saved: Optional[List[MCoreTensorAwareStateDict]] = []
         try:
             plan = plan_retrieval(
-                {r: r for r in range(self.world_size)}, holdings.available(iteration),
-                holdings.node_of, holdings.nbytes(iteration),
+                {r: r for r in range(self.world_size)},
+                holdings.available(iteration),
+                holdings.node_of,
+                holdings.nbytes(iteration),
             )
             for f in plan:
                 if f.source == self.rank:
@@ -167,8 +177,9 @@ class LoadPath:
         except (CheckpointingException, OSError) as e:
             logger.debug("cannot vouch for iteration %d before restoring it: %s", iteration, e)
             saved = None
-        check_restorable(template, saved, self._parallel_group(), strict,
-                         validation_group=self._control_group())
+        check_restorable(
+            template, saved, self._parallel_group(), strict, validation_group=self._control_group()
+        )
 
     def _warn_unrestorable(self, holdings: Holdings) -> None:
         """Memory holds none of this job's checkpoints in full: say so loudly when it holds
@@ -183,7 +194,8 @@ class LoadPath:
             missing = sorted(set(range(self.world_size)) - held[newest])
             self.last_load_metrics = LoadMetrics(source="none", missing_owners=missing, iteration=-1)
             fallback = (
-                f"the persistent tier {self._tier.directory} is tried first" if self._tier is not None
+                f"the persistent tier {self._tier.directory} is tried first"
+                if self._tier is not None
                 else "no persistent tier is configured (CheckpointManager(persistent_dir=...))"
             )
             logger.warning(
@@ -191,8 +203,12 @@ class LoadPath:
                 "lacks the data of ranks %s (their node and every replica are gone; "
                 "replication_factor=%d). Nothing can be restored from memory; %s — restore from "
                 "your own checkpoint or the run restarts from scratch",
-                self.session_id, sorted(held, reverse=True)[:5], newest, rank_ranges(missing),
-                self.placement.replication_factor, fallback,
+                self.session_id,
+                sorted(held, reverse=True)[:5],
+                newest,
+                rank_ranges(missing),
+                self.placement.replication_factor,
+                fallback,
             )
             return
         others = self.store.other_sessions()
@@ -200,7 +216,9 @@ class LoadPath:
             logger.warning(
                 "no complete checkpoint of session %r in %s; the same root holds checkpoints "
                 "of sessions %s (pass session_id=... to restore one of them)",
-                self.session_id, self.store.root, others[:5],
+                self.session_id,
+                self.store.root,
+                others[:5],
             )
 
     def _pull_missing(self, holdings: Holdings, iteration: int, group) -> Holdings:
@@ -215,7 +233,9 @@ class LoadPath:
             except Exception as e:  # the trainer-side exchange below is the fallback
                 logger.warning(
                     "daemon could not pull iteration %d of rank %d (%s); peers serve it instead",
-                    iteration, self.rank, e,
+                    iteration,
+                    self.rank,
+                    e,
                 )
         return gather_holdings(self.store, group, self.world_size)
 
@@ -235,7 +255,8 @@ class LoadPath:
         if in_memory < 0:
             logger.warning(
                 "no complete in-memory checkpoint; restoring iteration %d from the persistent tier %s",
-                durable.iteration, tier.directory,
+                durable.iteration,
+                tier.directory,
             )
         out = tier.load(template, self._parallel_group())
         if out is None:
@@ -303,19 +324,26 @@ class LoadPath:
                 self._check_template(holdings, iteration, template, strict)
             try:
                 retrieved = retrieve(
-                    self.store, holdings, iteration, control, self._transport, self.rank,
-                    self.world_size, borrow=borrow, targets=targets,
+                    self.store,
+                    holdings,
+                    iteration,
+                    control,
+                    self._transport,
+                    self.rank,
+                    self.world_size,
+                    borrow=borrow,
+                    targets=targets,
                 )
                 return retrieved, iteration, holdings
             except (CorruptCheckpointError, NoReplicaError) as e:
                 logger.warning(
-                    "iteration %d cannot be restored (%s); falling back to the previous complete "
-                    "iteration", iteration, e,
+                    "iteration %d cannot be restored (%s); falling back to the previous complete iteration",
+                    iteration,
+                    e,
                 )
                 last_error = e
         raise CheckpointingException(
-            f"no complete iteration could be restored (tried {complete}); last error: "
-            f"{last_error}"
+            f"no complete iteration could be restored (tried {complete}); last error: {last_error}"
         ) from last_error
 
     def _adopt(self, retrieved: Retrieved, iteration: int, holdings: Holdings, complete: List[int]) -> None:
@@ -369,7 +397,9 @@ class LoadPath:
                 pass  # unreadable: garbage either way
             logger.info(
                 "discarding %s in %s: newer than the restored iteration %d (not restorable)",
-                cid.stem(), self.store.dir, newer_than,
+                cid.stem(),
+                self.store.dir,
+                newer_than,
             )
             try:
                 self.store.discard(cid)
@@ -393,8 +423,9 @@ class LoadPath:
         except Exception as e:
             local = e
         try:
-            collectives.gather_or_fail(None, local, f"rebuilding the state dict of iteration {iteration}",
-                                       self._control_group())
+            collectives.gather_or_fail(
+                None, local, f"rebuilding the state dict of iteration {iteration}", self._control_group()
+            )
             assert tasd is not None
             return tasd
         except PeerFailedError as e:
@@ -427,10 +458,13 @@ def _unborrow(state: Any, borrowed: Set[int]) -> Any:
     if not borrowed:
         return state
     return map_leaves(
-        lambda v: v.clone()
-        if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-        and v.untyped_storage().data_ptr() in borrowed
-        else v,
+        lambda v: (
+            v.clone()
+            if isinstance(v, torch.Tensor)
+            and v.device.type == "cpu"
+            and v.untyped_storage().data_ptr() in borrowed
+            else v
+        ),
         state,
     )
 

@@ -124,9 +124,7 @@ def _check(opts: ManagerOptions) -> None:
     if opts.keep_last < 1:
         raise ValidationError(f"keep_last must be >= 1, got {opts.keep_last}")
     if opts.replication.placement not in PLACEMENTS:
-        raise ValidationError(
-            f"placement must be 'ring' or 'clique', got {opts.replication.placement!r}"
-        )
+        raise ValidationError(f"placement must be 'ring' or 'clique', got {opts.replication.placement!r}")
 
 
 def service_endpoint(opts: ManagerOptions) -> str:

@@ -18,18 +18,18 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..memory import checksum
-from ..parallel import collectives
 from ..errors import (
     CheckpointingException,
     CorruptCheckpointError,
     ForeignCheckpointError,
     StoreError,
 )
+from ..memory import checksum
+from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore
+from ..parallel import collectives
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.placement import Fetch, plan_retrieval
 from ..replication.transport import Incoming, Outgoing, P2PTransport
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore
-from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +206,9 @@ def retrieve(
         local_exc: Optional[BaseException] = None
         failures: List[Tuple[int, int]] = []
         try:
-            result, failures = _execute(store, holdings, iteration, plan, transport, me, borrow, serving,
-                                        targets)
+            result, failures = _execute(
+                store, holdings, iteration, plan, transport, me, borrow, serving, targets
+            )
         except Exception as e:  # e.g. a peer died mid-transfer: every rank stops together
             local_exc, result = e, None
         if result is not None and done is None:
@@ -273,8 +274,9 @@ class _Attempt:
         return self.holdings.node_of(a) == self.holdings.node_of(b)
 
 
-def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow, serving,
-             targets=None):
+def _execute(
+    store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow, serving, targets=None
+):
     """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw).
 
     ``serving`` (borrow mode) collects the replicas this rank verified and will serve.
@@ -288,7 +290,9 @@ def _execute(store, holdings: Holdings, iteration, plan: Sequence[Fetch], transp
         remote["arena"] = torch.empty(nbytes, dtype=torch.uint8)
         return remote["arena"]
 
-    incoming = [Incoming(mine.source, _alloc)] if mine is not None and not at.same_node(mine.source, me) else []
+    incoming = (
+        [Incoming(mine.source, _alloc)] if mine is not None and not at.same_node(mine.source, me) else []
+    )
     failures: List[Tuple[int, int]] = []
     outgoing: List[Outgoing] = []
     maps: list = []
@@ -334,7 +338,9 @@ def _serve(at: _Attempt, f: Fetch):
             return Outgoing(f.receiver, raw, buf), m
         bad = _verify(reader.header, buf)
         if bad:
-            raise CorruptCheckpointError(f"{cid.stem()}: tensors {bad[:8]} fail their checksum on rank {at.me}")
+            raise CorruptCheckpointError(
+                f"{cid.stem()}: tensors {bad[:8]} fail their checksum on rank {at.me}"
+            )
         at.serving[f.owner] = (reader.header, _views(reader.header, buf))
         return Outgoing(f.receiver, raw, empty), _NullMap()
     except (StoreError, OSError) as e:
@@ -350,8 +356,9 @@ def _from_node(at: _Attempt, mine: Fetch) -> Retrieved:
     if at.borrow:
         header, tensors, arena, nread, hollow = _read_local_into(at.store, cid, at.targets)
         _raise_if_bad(cid, mine.source, header, _verify_tensors(header, tensors))
-        return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1,
-                         borrowed=True, arena=arena, hollow=hollow)
+        return Retrieved(
+            header, tensors, mine.source, source, 0.0, nread, 1, borrowed=True, arena=arena, hollow=hollow
+        )
     header, arena, nread = _read_local(at.store, cid)
     _raise_if_bad(cid, mine.source, header, _verify(header, arena))
     return Retrieved(header, _views(header, arena), mine.source, source, 0.0, nread, 1, arena=arena)
@@ -368,19 +375,18 @@ def _from_peer(at: _Attempt, mine: Fetch, remote: Mapping[str, Any]) -> Retrieve
     if header.id != cid or header.world_size != len(at.holdings.store_keys):
         raise CorruptCheckpointError(f"rank {mine.source} sent {header.id} for {cid}")
     if at.borrow:
-        return Retrieved(header, [], mine.source, "peer", 0.0, header.data_nbytes, 1,
-                         served_by=mine.source)
+        return Retrieved(header, [], mine.source, "peer", 0.0, header.data_nbytes, 1, served_by=mine.source)
     arena = remote["arena"]
     _raise_if_bad(cid, mine.source, header, _verify(header, arena))
-    return Retrieved(header, _views(header, arena), mine.source, "peer", 0.0, header.data_nbytes, 1,
-                     arena=arena)
+    return Retrieved(
+        header, _views(header, arena), mine.source, "peer", 0.0, header.data_nbytes, 1, arena=arena
+    )
 
 
 def _raise_if_bad(cid: CheckpointId, source: int, header: CheckpointHeader, bad: List[int]) -> None:
     if bad:
         raise CorruptCheckpointError(
-            f"{cid.stem()} from rank {source}: tensors {bad[:8]} fail their "
-            f"{header.checksum_algo} checksum"
+            f"{cid.stem()} from rank {source}: tensors {bad[:8]} fail their {header.checksum_algo} checksum"
         )
 
 
@@ -425,12 +431,19 @@ def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping
         hollow = MCoreTensorAwareStateDict.from_bytes(header.meta)
         sids = [st.shard_id for st in hollow.tensor_metadata]
         if len(sids) != len(header.tensors):
-            raise CorruptCheckpointError(f"{cid.stem()}: header lists {len(header.tensors)} tensors, metadata {len(sids)}")
+            raise CorruptCheckpointError(
+                f"{cid.stem()}: header lists {len(header.tensors)} tensors, metadata {len(sids)}"
+            )
         with open(reader.path, "rb", buffering=0) as f:
             for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
                 t = targets.get(sid)
-                if (t is None or t.device.type != "cpu" or not t.is_contiguous() or t.dtype != lay.torch_dtype
-                        or tuple(t.shape) != lay.shape):
+                if (
+                    t is None
+                    or t.device.type != "cpu"
+                    or not t.is_contiguous()
+                    or t.dtype != lay.torch_dtype
+                    or tuple(t.shape) != lay.shape
+                ):
                     continue
                 if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
                     raise CorruptCheckpointError(f"{reader.path}: short read of tensor {i}")
@@ -462,14 +475,27 @@ def read_local_shards(
             with open(reader.path, "rb", buffering=0) as f:
                 for lay, st in zip(header.tensors, metas):
                     t = wanted.get(st.shard_id)
-                    if (t is None or st.shard_id in filled or t.device.type != "cpu"
-                            or not t.is_contiguous() or t.dtype != lay.torch_dtype
-                            or tuple(t.shape) != lay.shape):
+                    if (
+                        t is None
+                        or st.shard_id in filled
+                        or t.device.type != "cpu"
+                        or not t.is_contiguous()
+                        or t.dtype != lay.torch_dtype
+                        or tuple(t.shape) != lay.shape
+                    ):
                         continue
                     if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
                         continue
-                    if lay.checksum is not None and lay.nbytes and checksum.digest(checksum.byte_view(t)) != lay.checksum:
-                        logger.warning("%s: shard %s fails its checksum; fetching it from a peer", cid.stem(), st.shard_id)
+                    if (
+                        lay.checksum is not None
+                        and lay.nbytes
+                        and checksum.digest(checksum.byte_view(t)) != lay.checksum
+                    ):
+                        logger.warning(
+                            "%s: shard %s fails its checksum; fetching it from a peer",
+                            cid.stem(),
+                            st.shard_id,
+                        )
                         continue
                     filled[st.shard_id] = t
         except (StoreError, OSError) as e:

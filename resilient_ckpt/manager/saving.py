@@ -33,7 +33,13 @@ logger = logging.getLogger(__name__)
 MAX_ITERATION = (1 << 63) - 1
 
 #: Points where tests (and chaos drills) can inject a fault: ``fault_hook(point)``.
-FAULT_POINTS = ("after_staging", "after_publish", "before_replication", "after_replication", "before_agreement")
+FAULT_POINTS = (
+    "after_staging",
+    "after_publish",
+    "before_replication",
+    "after_replication",
+    "before_agreement",
+)
 
 
 @dataclass
@@ -78,9 +84,7 @@ class _Staged:
 class SavePath:
     """``save_local`` and the save thread's job (mixed into ``CheckpointManager``)."""
 
-    def save_local(
-        self, state_dict: Any, iteration: int, is_async: bool = True
-    ) -> SaveHandle:
+    def save_local(self, state_dict: Any, iteration: int, is_async: bool = True) -> SaveHandle:
         """Snapshot ``state_dict`` (a sharded state dict, an MCoreTensorAwareStateDict, or a
         callable returning one — preferred in loops: if it raises on some ranks, every rank
         still fails this save together instead of waiting for a timeout).
@@ -230,7 +234,9 @@ class SavePath:
                 "session %r: this job did not restore before saving iteration %d, so it starts "
                 "fresh; retiring iterations %s of an earlier run held in memory (call load_local() "
                 "or CheckpointHook.restore() before the first save to resume them instead)",
-                self.session_id, iteration, sorted({it for it, _ in stale}),
+                self.session_id,
+                iteration,
+                sorted({it for it, _ in stale}),
             )
         collectives.fail_together(local, "retiring an earlier run's checkpoints", control)
 

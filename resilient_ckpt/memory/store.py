@@ -38,8 +38,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 import msgpack
 import torch
 
-from . import checksum
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, StoreError, StoreFullError
+from . import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,11 @@ class Segment:
         self.pinned = False
 
     def tensor(self, layout: TensorLayout) -> torch.Tensor:
-        return self.buffer[layout.offset : layout.offset + layout.nbytes].view(layout.torch_dtype).view(layout.shape)
+        return (
+            self.buffer[layout.offset : layout.offset + layout.nbytes]
+            .view(layout.torch_dtype)
+            .view(layout.shape)
+        )
 
     def release_pages(self, offset: int, nbytes: int) -> None:
         """Drop ``[offset, offset + nbytes)`` from this process's page tables (MADV_DONTNEED on
@@ -603,8 +607,7 @@ class CheckpointStore:
             )
         if header.id != cid:
             raise CorruptCheckpointError(
-                f"{path} describes {header.id.stem()} (file name and header disagree); it is "
-                "not loaded"
+                f"{path} describes {header.id.stem()} (file name and header disagree); it is not loaded"
             )
         if self.world_size is not None and header.world_size != self.world_size:
             raise ForeignCheckpointError(
@@ -652,7 +655,9 @@ class CheckpointStore:
             with contextlib.suppress(FileNotFoundError):
                 data.unlink()
 
-    def retain(self, keep_iterations: Iterable[int], owners: Optional[Iterable[int]] = None) -> List[CheckpointId]:
+    def retain(
+        self, keep_iterations: Iterable[int], owners: Optional[Iterable[int]] = None
+    ) -> List[CheckpointId]:
         """Discard checkpoints (of ``owners``, default all) whose iteration is not kept."""
         keep = set(keep_iterations)
         owner_set = None if owners is None else set(owners)

@@ -232,8 +232,7 @@ def register_type(
         by_type = _USER_BY_TYPE.get(cls)
         if by_type is not None and by_type.name != name:
             raise CodecError(
-                f"{_type_name(cls)} is already registered as {by_type.name!r}; a type has one "
-                "name"
+                f"{_type_name(cls)} is already registered as {by_type.name!r}; a type has one name"
             )
         if by_name is not None:  # same name again: maybe a reloaded module's new class object
             _USER_BY_TYPE.pop(by_name.cls, None)
@@ -293,9 +292,7 @@ class _Encoder:
     __slots__ = ("packer", "blobs", "blob_len", "allow_pickle")
 
     def __init__(self, allow_pickle: bool):
-        self.packer = msgpack.Packer(
-            use_bin_type=True, autoreset=False, unicode_errors="surrogatepass"
-        )
+        self.packer = msgpack.Packer(use_bin_type=True, autoreset=False, unicode_errors="surrogatepass")
         self.blobs: List[Any] = []
         self.blob_len = 0
         self.allow_pickle = allow_pickle
@@ -583,9 +580,7 @@ _ENCODERS: Dict[type, Callable[[_Encoder, Any, int], None]] = {
     ShardedObject: _Encoder.enc_sharded_object,
 }
 # Types with a built-in encoding; register_type refuses them so the format stays fixed.
-_BUILTIN_TYPES = frozenset(
-    (*_NATIVE, int, list, dict, tuple, *_SCALAR_ENCODERS, *_ENCODERS)
-)
+_BUILTIN_TYPES = frozenset((*_NATIVE, int, list, dict, tuple, *_SCALAR_ENCODERS, *_ENCODERS))
 
 
 def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
@@ -605,8 +600,7 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
         raise
     except RecursionError as r:
         raise CodecError(
-            "cannot encode: the value is nested too deeply for Python's recursion limit; "
-            "flatten it"
+            "cannot encode: the value is nested too deeply for Python's recursion limit; flatten it"
         ) from r
     except (OverflowError, ValueError) as err:  # msgpack limits (e.g. a str over 4 GiB)
         raise CodecError(f"cannot encode: {type(err).__name__}: {err}") from err
@@ -619,7 +613,6 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
         return b"".join([head, body, _ZEROS[:pad], *e.blobs])
     finally:
         body.release()
-
 
 
 # --- decoding ------------------------------------------------------------------------------
@@ -735,7 +728,7 @@ class _Decoder:
                     raise _Fail(f"duplicate key {_path_elem(dk)} in the map at {{path}}")
                 out[dk] = dv
             except TypeError:
-                raise _Fail(f"unhashable dict key of type {type(dk).__name__} at {{path}}")
+                raise _Fail(f"unhashable dict key of type {type(dk).__name__} at {{path}}") from None
         return out
 
     def fields(self, arr: list, n: int, what: str) -> list:
@@ -766,7 +759,7 @@ class _Decoder:
         try:
             return (set if arr[0].code == _X.SET else frozenset)(items)
         except TypeError:
-            raise _Fail("unhashable set element at {path}")
+            raise _Fail("unhashable set element at {path}") from None
 
     def dec_bytearray(self, arr: list, depth: int) -> bytearray:
         _, b = self.fields(arr, 1, "bytearray")
@@ -834,7 +827,7 @@ class _Decoder:
         try:
             return cls(v)
         except Exception:
-            raise _Fail(f"stored value at {{path}} is not a member of {module}.{qualname}")
+            raise _Fail(f"stored value at {{path}} is not a member of {module}.{qualname}") from None
 
     def dec_ndarray(self, arr: list, depth: int) -> np.ndarray:
         _, dt, shape, off, n = self.fields(arr, 4, "numpy array")
@@ -897,7 +890,7 @@ class _Decoder:
         try:
             return cls(**kw)
         except Exception as e:
-            raise _Fail(f"stored {what} at {{path}} is invalid: {type(e).__name__}: {e}")
+            raise _Fail(f"stored {what} at {{path}} is invalid: {type(e).__name__}: {e}") from e
 
     def dec_sharded_tensor(self, arr: list, depth: int) -> ShardedTensor:
         return self.dec_dataclass(arr, depth, ShardedTensor, _ST_FIELDS)
@@ -925,7 +918,7 @@ class _Decoder:
         except Exception as e:
             raise _Fail(
                 f"register_type({name!r}).from_plain failed at {{path}}: {type(e).__name__}: {e}"
-            )
+            ) from e
 
     def dec_pickle(self, arr: list, depth: int) -> Any:
         _, tname, payload = self.fields(arr, 2, "pickled value")
@@ -941,19 +934,14 @@ class _Decoder:
         try:
             return pickle.loads(payload)
         except Exception as e:
-            raise _Fail(f"cannot unpickle the {tname[:200]} at {{path}}: {type(e).__name__}: {e}")
+            raise _Fail(f"cannot unpickle the {tname[:200]} at {{path}}: {type(e).__name__}: {e}") from e
 
 
 _PLAIN = frozenset((str, int, float, bool, bytes, type(None)))
 
 
 def _np_dtype(desc: Any) -> np.dtype:
-    if (
-        type(desc) is not str
-        or len(desc) != 2
-        or desc[0] not in "<>|"
-        or desc[1] not in _NP_CHARS
-    ):
+    if type(desc) is not str or len(desc) != 2 or desc[0] not in "<>|" or desc[1] not in _NP_CHARS:
         raise _Fail("malformed numpy dtype at {path}")
     return np.dtype(desc)
 
@@ -983,7 +971,7 @@ def _dec_device(b: bytes) -> torch.device:
     try:
         return torch.device(b.decode("ascii"))
     except Exception:
-        raise _Fail("malformed torch.device at {path}")
+        raise _Fail("malformed torch.device at {path}") from None
 
 
 def _dec_hole(b: bytes) -> Any:
@@ -1038,8 +1026,7 @@ def _check_header(mv: memoryview) -> int:
         elif magic == b"PK\x03\x04":
             hint = " (it looks like a torch.save zip archive, which is never loaded here)"
         raise CodecError(
-            f"not a resilient_ckpt codec encoding: starts with {bytes(magic)!r}, expected "
-            f"{MAGIC!r}{hint}"
+            f"not a resilient_ckpt codec encoding: starts with {bytes(magic)!r}, expected {MAGIC!r}{hint}"
         )
     if version != FORMAT_VERSION:
         if version > FORMAT_VERSION:
@@ -1080,8 +1067,7 @@ def decode(data: Any, *, allow_pickle: bool = False) -> Any:
             mv = mv.cast("B")
     except TypeError as e:
         raise CodecError(
-            f"decode() needs bytes, bytearray or a contiguous memoryview, got "
-            f"{type(data).__name__}: {e}"
+            f"decode() needs bytes, bytearray or a contiguous memoryview, got {type(data).__name__}: {e}"
         ) from None
     body_len = _check_header(mv)
     body_end = _HEADER.size + body_len

@@ -73,8 +73,7 @@ class ShardedTensor:
         if self.data is not None:
             if self.data.dtype != self.dtype:
                 raise ValidationError(
-                    f"ShardedTensor {k!r}: data dtype {self.data.dtype} differs from dtype "
-                    f"{self.dtype}"
+                    f"ShardedTensor {k!r}: data dtype {self.data.dtype} differs from dtype {self.dtype}"
                 )
             if tuple(self.data.shape) != self.local_shape:
                 raise ValidationError(
@@ -310,9 +309,7 @@ def adapt(obj: Any) -> Any:
         return obj
     if _is_mcore(obj, "ShardedTensor"):
         if getattr(obj, "flattened_range", None) is not None:
-            raise ValidationError(
-                f"ShardedTensor {obj.key!r}: flattened_range is not supported"
-            )
+            raise ValidationError(f"ShardedTensor {obj.key!r}: flattened_range is not supported")
         return ShardedTensor(
             obj.key,
             obj.data,

@@ -159,7 +159,9 @@ class TrainState:
         for idx, values in sd["state"].items():
             pname = names[idx]
             state[pname] = {
-                k: to_sharded_tensor(f"optimizer.state.{pname}.{k}", v, dp_rank) if isinstance(v, torch.Tensor) else v
+                k: to_sharded_tensor(f"optimizer.state.{pname}.{k}", v, dp_rank)
+                if isinstance(v, torch.Tensor)
+                else v
                 for k, v in values.items()
             }
         groups = []
@@ -189,7 +191,9 @@ class TrainState:
         targets = self.model.state_dict(keep_vars=True)
         missing = [k for k, v in targets.items() if isinstance(v, torch.Tensor) and k not in loaded]
         if missing:
-            raise ValidationError(f"restored state lacks model entries {missing[:10]}; was it saved from this model?")
+            raise ValidationError(
+                f"restored state lacks model entries {missing[:10]}; was it saved from this model?"
+            )
         with torch.no_grad():
             for name, src in loaded.items():
                 if name not in targets:
@@ -228,8 +232,12 @@ def _like_param(v: Any, param: torch.Tensor) -> Any:
     if tuple(v.shape) != tuple(param.to_local().shape):
         return v
     return _dtensor_class().from_local(
-        v.to(param.to_local().device), param.device_mesh, param.placements, run_check=False,
-        shape=param.shape, stride=param.stride(),
+        v.to(param.to_local().device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
     )
 
 

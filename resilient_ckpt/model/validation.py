@@ -153,13 +153,15 @@ def _check_tensor_key(key: str, entries: List[Tuple[int, ShardRecord]]) -> List[
             out.append(f"{key!r}: shard at offset {off} has no main replica (replica_id 0) on any rank")
     for off, ranks in mains.items():
         if len(ranks) > 1:
-            out.append(f"{key!r}: shard at offset {off} has {len(ranks)} main replicas (ranks {sorted(ranks)[:8]})")
+            out.append(
+                f"{key!r}: shard at offset {off} has {len(ranks)} main replicas (ranks {sorted(ranks)[:8]})"
+            )
     if mismatch_ok:
         return out
     outside = [
-        off for off, ext in extents.items()
-        if len(off) != len(global_shape)
-        or any(o < 0 or o + e > s for o, e, s in zip(off, ext, global_shape))
+        off
+        for off, ext in extents.items()
+        if len(off) != len(global_shape) or any(o < 0 or o + e > s for o, e, s in zip(off, ext, global_shape))
     ]
     if outside:
         # Checked here too: ShardedTensors are mutable and ranks' metadata arrives as plain data.
@@ -177,8 +179,7 @@ def _check_tensor_key(key: str, entries: List[Tuple[int, ShardRecord]]) -> List[
     total = math.prod(global_shape)
     if overlap is None and covered != total:
         out.append(
-            f"{key!r}: main replicas cover {covered} of {total} elements of global shape "
-            f"{global_shape} (gap)"
+            f"{key!r}: main replicas cover {covered} of {total} elements of global shape {global_shape} (gap)"
         )
     return out
 
@@ -226,37 +227,43 @@ def _check_object_key(key: str, entries: List[Tuple[int, ObjectRecord]]) -> List
             mains[rec[1]].append(rank)
     for off, ranks in mains.items():
         if len(ranks) > 1:
-            out.append(f"{key!r} (object): offset {off} has {len(ranks)} main replicas (ranks {sorted(ranks)[:8]})")
+            out.append(
+                f"{key!r} (object): offset {off} has {len(ranks)} main replicas (ranks {sorted(ranks)[:8]})"
+            )
     (shape,) = shapes
-    outside = [off for off in mains if len(off) != len(shape) or any(
-        o < 0 or (s >= 0 and o >= s) for o, s in zip(off, shape))]
+    outside = [
+        off
+        for off in mains
+        if len(off) != len(shape) or any(o < 0 or (s >= 0 and o >= s) for o, s in zip(off, shape))
+    ]
     if outside:
         out.append(f"{key!r} (object): offset {outside[0]} lies outside the grid {shape}")
         return out
     if all(s >= 0 for s in shape) and len(mains) != math.prod(shape):
-        out.append(
-            f"{key!r} (object): {len(mains)} main replicas for a grid of {math.prod(shape)} objects"
-        )
+        out.append(f"{key!r} (object): {len(mains)} main replicas for a grid of {math.prod(shape)} objects")
     return out
 
 
-def determine_mismatch(
-    requested: Set[str], in_checkpoint: Set[str]
-) -> Tuple[Set[str], Set[str]]:
+def determine_mismatch(requested: Set[str], in_checkpoint: Set[str]) -> Tuple[Set[str], Set[str]]:
     """(missing, unexpected): missing = in checkpoint but not requested; unexpected = requested
     but absent from the checkpoint (Megatron-core's definitions)."""
     return in_checkpoint - requested, requested - in_checkpoint
 
 
-def apply_strictness(
-    strict: StrictHandling, missing: Set[str], unexpected: Set[str], log
-) -> None:
+def apply_strictness(strict: StrictHandling, missing: Set[str], unexpected: Set[str], log) -> None:
     """Log or raise per ``strict``. Must be called with the same sets on every rank."""
+
     def names(keys: Set[str]) -> str:
         ks = sorted(keys)
-        return ", ".join(ks[:_MAX_REPORTED]) + (f" (+{len(ks) - _MAX_REPORTED} more)" if len(ks) > _MAX_REPORTED else "")
+        return ", ".join(ks[:_MAX_REPORTED]) + (
+            f" (+{len(ks) - _MAX_REPORTED} more)" if len(ks) > _MAX_REPORTED else ""
+        )
 
-    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL, StrictHandling.ASSUME_OK_UNEXPECTED) and unexpected:
+    if (
+        strict
+        in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL, StrictHandling.ASSUME_OK_UNEXPECTED)
+        and unexpected
+    ):
         raise ValidationError(
             f"keys requested but not in the checkpoint: {names(unexpected)}; fix: remove them from "
             "the state dict you load into, or pass strict='log_unexpected' to skip them"

@@ -40,8 +40,10 @@ def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
 
 def _wrap(err: BaseException, what: str, group) -> CheckpointingException:
     text = str(err)
-    cls = CollectiveTimeoutError if "timed out" in text.lower() or "timeout" in text.lower() else (
-        CheckpointingException
+    cls = (
+        CollectiveTimeoutError
+        if "timed out" in text.lower() or "timeout" in text.lower()
+        else (CheckpointingException)
     )
     return cls(
         f"collective '{what}' failed on a group of {group_size(group)} ranks: {text.strip()[:500]}"
@@ -124,9 +126,7 @@ def _raise_together(errors: List[Any], what: str, local: Optional[BaseException]
     r, msg = failed[0]
     r = global_rank(group, r)
     more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-    raise PeerFailedError(
-        f"{what} failed on rank {r}{more}, so every rank stops: {msg}", rank=r, reason=msg
-    )
+    raise PeerFailedError(f"{what} failed on rank {r}{more}, so every rank stops: {msg}", rank=r, reason=msg)
 
 
 def fail_together(

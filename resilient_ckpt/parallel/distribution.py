@@ -24,10 +24,10 @@ from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequenc
 import torch
 import torch.distributed as dist
 
-from . import collectives
 from ..errors import ValidationError
 from ..model.mapping import ShardedTensor, ShardId
 from ..model.validation import shard_record
+from . import collectives
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +119,7 @@ def _improve(assignment, shard_to_ranks, shard_to_size, load, max_moves: Optiona
     At most ``max_moves`` (default: the shard count) moves keep the pass O(n log n) overall.
     """
     num_ranks = len(load)
-    groups: Dict[int, Dict[Tuple[int, ...], List[Tuple[int, ShardId]]]] = {
-        r: {} for r in range(num_ranks)
-    }
+    groups: Dict[int, Dict[Tuple[int, ...], List[Tuple[int, ShardId]]]] = {r: {} for r in range(num_ranks)}
     for sid, r in assignment.items():
         holders = shard_to_ranks[sid]
         size = shard_to_size[sid]

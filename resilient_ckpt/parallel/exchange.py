@@ -22,9 +22,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import collectives
 from ..errors import CheckpointingException, ValidationError
 from ..model.mapping import ShardId
+from . import collectives
 
 logger = logging.getLogger(__name__)
 

@@ -22,25 +22,19 @@ import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
-from . import collectives
-from ..model import codec
-from .distribution import (
-    ShardDistribution,
-    check_cached,
-    compute_distribution,
-    structure_fingerprint,
-)
 from ..errors import HollowStateError, ValidationError
-from .exchange import check_algo, dtype_name, execute_exchange, plan_exchange
+from ..model import codec
 from ..model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensor,
-    adapt as _adapt_leaf,
     apply_factories_and_adapt,
     apply_factory_merges,
     is_factory,
     is_sharded,
+)
+from ..model.mapping import (
+    adapt as _adapt_leaf,
 )
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
 from ..model.validation import (
@@ -51,6 +45,14 @@ from ..model.validation import (
     shard_record,
     validate_sharding_integrity,
 )
+from . import collectives
+from .distribution import (
+    ShardDistribution,
+    check_cached,
+    compute_distribution,
+    structure_fingerprint,
+)
+from .exchange import check_algo, dtype_name, execute_exchange, plan_exchange
 
 logger = logging.getLogger(__name__)
 
@@ -184,15 +186,27 @@ def _load_facts(template_shards, template_objects, held, held_objects, ckpt_keys
     held_oids = {o.object_id for o in held_objects}
     facts = dict(
         held=[[sid[0], list(sid[1]), dtype, list(shape)] for sid, dtype, shape in held],
-        need=[[st.key, list(st.global_offset), dtype_name(st.dtype),
-               list(st.local_shape), st.allow_shape_mismatch]
-              for st in template_shards if st.shard_id not in held_ids],
-        need_obj=[[o.key, list(o.global_offset), list(o.global_shape)]
-                  for o in template_objects if o.object_id not in held_oids],
+        need=[
+            [
+                st.key,
+                list(st.global_offset),
+                dtype_name(st.dtype),
+                list(st.local_shape),
+                st.allow_shape_mismatch,
+            ]
+            for st in template_shards
+            if st.shard_id not in held_ids
+        ],
+        need_obj=[
+            [o.key, list(o.global_offset), list(o.global_shape)]
+            for o in template_objects
+            if o.object_id not in held_oids
+        ],
         held_obj=[[o.key, list(o.global_offset), list(o.global_shape)] for o in held_objects],
         ckpt_keys=sorted(ckpt_keys),
         requested=sorted({st.key for st in template_shards} | {o.key for o in template_objects}),
-        records=[], obj_records=[],
+        records=[],
+        obj_records=[],
     )
     if validate:
         facts["records"] = [list(shard_record(st)) for st in template_shards]
@@ -226,17 +240,28 @@ def check_restorable(
             raise local_error
         strict = parse_strict_flag(strict)
         sharded, *_ = preprocess(template or {})
-        held = [(st.shard_id, dtype_name(st.dtype), tuple(st.local_shape))
-                for h in saved for st in h.tensor_metadata]
+        held = [
+            (st.shard_id, dtype_name(st.dtype), tuple(st.local_shape))
+            for h in saved
+            for st in h.tensor_metadata
+        ]
         objects = [o for h in saved for o in _sharded_objects(h.sharded_state_dict)]
         keys = {st.key for h in saved for st in _sharded_tensors(h.sharded_state_dict)}
         keys |= {o.key for o in objects}
-        local.update(_load_facts(_sharded_tensors(sharded), _sharded_objects(sharded), held,
-                                 objects, keys, True))
+        local.update(
+            _load_facts(_sharded_tensors(sharded), _sharded_objects(sharded), held, objects, keys, True)
+        )
         # Every template shard is checked against the saved spec (held or not).
-        local["need"] = [[st.key, list(st.global_offset), dtype_name(st.dtype),
-                          list(st.local_shape), st.allow_shape_mismatch]
-                         for st in _sharded_tensors(sharded)]
+        local["need"] = [
+            [
+                st.key,
+                list(st.global_offset),
+                dtype_name(st.dtype),
+                list(st.local_shape),
+                st.allow_shape_mismatch,
+            ]
+            for st in _sharded_tensors(sharded)
+        ]
         local["need_obj"] = []
     except Exception as e:  # reported to every rank below
         local_error = e
@@ -269,9 +294,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         if self._saved is None:
             self._saved = tuple(st.data is not None for st in sts)
         elif len(self._saved) != len(sts):
-            raise ValidationError(
-                f"saved mask has {len(self._saved)} entries for {len(sts)} sharded tensors"
-            )
+            raise ValidationError(f"saved mask has {len(self._saved)} entries for {len(sts)} sharded tensors")
         n = sum(self._saved)
         if self._devices is None:
             self._devices = [None] * n
@@ -340,9 +363,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         # data-parallel subgroup only sees part of each tensor-parallel tensor.
         everyone, members = _gather(payload, group, world_scope=True, scope_group=validation_group)
         _raise_first_error(everyone, local_exc)
-        validate_sharding_integrity(
-            [g["shards"] for g in everyone], [g["objects"] for g in everyone]
-        )
+        validate_sharding_integrity([g["shards"] for g in everyone], [g["objects"] for g in everyone])
         if fully_parallel and n > 1:
             distribution = compute_distribution(shards, group, members)
             _drop_unsaved(shards, distribution, collectives.group_rank(group))
@@ -380,7 +401,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         adapted, the shards it kept data for are the saved ones. Tensors are not copied."""
         if isinstance(tasd, cls):
             return tasd
-        if not (hasattr(tasd, "common") and hasattr(tasd, "sharded_state_dict") and hasattr(tasd, "is_hollow")):
+        if not (
+            hasattr(tasd, "common") and hasattr(tasd, "sharded_state_dict") and hasattr(tasd, "is_hollow")
+        ):
             raise ValidationError(
                 f"expected a sharded state dict or an MCoreTensorAwareStateDict, got {type(tasd).__name__}"
             )
@@ -467,7 +490,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             else:
                 if self._devices[i] is None:
                     self._devices[i] = t.device.type
-                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=non_blocking and torch.cuda.is_available())
+                dst = torch.empty(
+                    t.shape, dtype=t.dtype, pin_memory=non_blocking and torch.cuda.is_available()
+                )
                 st.data = dst.copy_(t.detach(), non_blocking=non_blocking)
             self._private[i] = True
 
@@ -549,7 +574,11 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         # all-gather, so every rank raises together instead of leaving peers in a collective.
         local_exc: Optional[BaseException] = None
         req: Optional[_LoadRequest] = None
-        facts: Dict[str, Any] = {"rank": _my_global_rank(), "error": None, **_load_facts((), (), (), (), (), False)}
+        facts: Dict[str, Any] = {
+            "rank": _my_global_rank(),
+            "error": None,
+            **_load_facts((), (), (), (), (), False),
+        }
         try:
             req = self._prepare_load(sharded_state_dict, algo, exchange_algo, strict, extra_held)
             facts.update(req.facts(validate_access_integrity))
@@ -558,8 +587,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             facts["error"] = f"{type(e).__name__}: {e}"
         # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
         # sees only part of each tensor-parallel tensor.
-        scope, members = _gather(facts, group, world_scope=validate_access_integrity,
-                                 scope_group=validation_group)
+        scope, members = _gather(
+            facts, group, world_scope=validate_access_integrity, scope_group=validation_group
+        )
         _raise_first_error(scope, local_exc)
         assert req is not None
         result = map_leaves(lambda v: v, self.common)
@@ -577,8 +607,11 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         targets = _template_targets(req.template_shards) if load_into_template else {}
         loaded = dict(req.held)
         if n > 1:
-            loaded.update(execute_exchange(plan, req.held, _allocator(targets, self._load_device()),
-                                           group, req.exchange_algo))
+            loaded.update(
+                execute_exchange(
+                    plan, req.held, _allocator(targets, self._load_device()), group, req.exchange_algo
+                )
+            )
         merge(result, _fill_template(req, loaded, targets, objects, unexpected))
         result = fill_holes(result)
         if req.strict == StrictHandling.IGNORE_ALL:
@@ -602,9 +635,19 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         held_objects = {o.object_id: o for o in _sharded_objects(self.sharded_state_dict)}
         ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)}
         ckpt_keys |= {o.key for o in held_objects.values()}
-        req = _LoadRequest(sharded, nonpersistent, factories, _sharded_tensors(sharded),
-                           _sharded_objects(sharded), held, held_objects, ckpt_keys,
-                           fully_parallel, exchange_algo, strict)
+        req = _LoadRequest(
+            sharded,
+            nonpersistent,
+            factories,
+            _sharded_tensors(sharded),
+            _sharded_objects(sharded),
+            held,
+            held_objects,
+            ckpt_keys,
+            fully_parallel,
+            exchange_algo,
+            strict,
+        )
         self._check_local_shapes(req.template_shards, held)
         return req
 
@@ -663,8 +706,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 raise local_exc
             r, msg = failed[0]
             raise ValidationError(
-                f"rank {members[r]['rank']} could not send its ShardedObjects, so every rank "
-                f"stops: {msg}"
+                f"rank {members[r]['rank']} could not send its ShardedObjects, so every rank stops: {msg}"
             )
         out = {}
         for blob in blobs:
@@ -681,9 +723,7 @@ def _load_verdict(scope, members, me, strict, fully_parallel, validate_access_in
     unexpected keys, missing keys). Pure: used before any byte is written
     (:func:`check_restorable`) and by :meth:`MCoreTensorAwareStateDict.to_state_dict`."""
     if validate_access_integrity:
-        validate_sharding_integrity(
-            [g["records"] for g in scope], [g["obj_records"] for g in scope]
-        )
+        validate_sharding_integrity([g["records"] for g in scope], [g["obj_records"] for g in scope])
     global_ckpt_keys = set().union(*(g["ckpt_keys"] for g in members))
     plan, absent_shards = plan_exchange(members)
     # Shards of keys the checkpoint has, but at offsets nobody saved: a sharding mismatch,
@@ -725,9 +765,7 @@ def _load_verdict(scope, members, me, strict, fully_parallel, validate_access_in
     unexpected_by_rank = [set(g["requested"]) - global_ckpt_keys for g in members]
     mine_unexpected = unexpected_by_rank[me]
     missing = global_ckpt_keys - set().union(*(g["requested"] for g in members))
-    check_missing = strict in (
-        StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL
-    )
+    check_missing = strict in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
     if not check_missing:
         missing = set()
     # Raise decisions use every rank's unexpected keys; logging reports this rank's own.
@@ -771,8 +809,14 @@ class _LoadRequest:
 
     def facts(self, validate: bool) -> dict:
         held = [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in self.held.items()]
-        return _load_facts(self.template_shards, self.template_objects, held,
-                           self.held_objects.values(), self.ckpt_keys, validate)
+        return _load_facts(
+            self.template_shards,
+            self.template_objects,
+            held,
+            self.held_objects.values(),
+            self.ckpt_keys,
+            validate,
+        )
 
 
 def _template_targets(template_shards: Sequence[ShardedTensor]) -> Dict[Any, torch.Tensor]:
@@ -836,8 +880,6 @@ class _Drop:
 
 
 _DROP = _Drop()
-
-
 
 
 def _drop_marked(x):

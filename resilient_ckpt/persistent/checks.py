@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ..errors import CorruptCheckpointError, ValidationError
+
 # The in-memory tier's own chunk geometry (same boxes, same messages); private there until
 # model/ exports them.
-from ..model.validation import find_overlap
-from ..model.validation import fmt_box
+from ..model.validation import find_overlap, fmt_box
 from .layout import MAX_REPORTED
 
 
@@ -46,17 +46,13 @@ def _chunk_boxes(
             )
             continue
         if any(o < 0 or e < 0 or o + e > s for o, e, s in zip(off, ext, size)):
-            out.append(
-                f"{key!r}: chunk {_chunk_str(off, ext)} lies outside the tensor of size {list(size)}"
-            )
+            out.append(f"{key!r}: chunk {_chunk_str(off, ext)} lies outside the tensor of size {list(size)}")
             continue
         boxes.append((off, tuple(o + e for o, e in zip(off, ext))))
     return boxes
 
 
-def chunk_problems(
-    key: str, size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]
-) -> List[str]:
+def chunk_problems(key: str, size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> List[str]:
     """What is wrong with ``chunks`` as a tiling of a tensor of ``size`` (empty list: fine).
 
     Every chunk must lie inside the tensor, no two may overlap, and together they must cover
@@ -98,7 +94,9 @@ def raise_problems(problems: List[str], what: str, fix: str) -> None:
     raise ValidationError(f"{what}:\n  " + "\n  ".join(shown) + more + f"\nfix: {fix}")
 
 
-def validate_metadata(metadata: Metadata, keys: Optional[Iterable[str]] = None, source: str = "checkpoint") -> None:
+def validate_metadata(
+    metadata: Metadata, keys: Optional[Iterable[str]] = None, source: str = "checkpoint"
+) -> None:
     """Raise :class:`ValidationError` naming every key of ``metadata`` (or of ``keys``) whose
     stored chunks are out of bounds, overlap or leave a gap."""
     problems: List[str] = []

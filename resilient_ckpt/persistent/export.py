@@ -68,14 +68,18 @@ def _stored_headers(store: CheckpointStore, iteration: int) -> Tuple[Dict[int, o
     headers = {c.owner: store.read_header(c) for c in ids}
     worlds = {h.world_size for h in headers.values()}
     if len(worlds) != 1:
-        raise CorruptCheckpointError(f"store {store.dir}: iteration {iteration} was saved with world sizes {sorted(worlds)}")
+        raise CorruptCheckpointError(
+            f"store {store.dir}: iteration {iteration} was saved with world sizes {sorted(worlds)}"
+        )
     (world,) = worlds
     return headers, world
 
 
 def _check_target(out: Path, session: str, iteration: int) -> None:
     existing = read_manifest(out) if (out / MANIFEST_NAME).exists() else None
-    if existing is not None and (existing.get("session") != session or existing.get("iteration") != iteration):
+    if existing is not None and (
+        existing.get("session") != session or existing.get("iteration") != iteration
+    ):
         raise ForeignCheckpointError(
             f"{out} already holds iteration {existing.get('iteration')} of session "
             f"{existing.get('session')!r}; export into an empty directory"
@@ -154,8 +158,13 @@ def _export_owner(store, iteration, owner, out: Path, meta_dir: Path, session, w
         "mains": [[f, list(o)] for f, o in local.planner_data.mains],
         "mappings": [[f, list(p)] for f, p in local.planner_data.mappings],
         "results": [
-            [r.index.fqn, None if r.index.offset is None else list(r.index.offset),
-             r.storage_data.relative_path, int(r.storage_data.offset), int(r.storage_data.length)]
+            [
+                r.index.fqn,
+                None if r.index.offset is None else list(r.index.offset),
+                r.storage_data.relative_path,
+                int(r.storage_data.offset),
+                int(r.storage_data.length),
+            ]
             for r in results
         ],
     }
@@ -168,7 +177,11 @@ def _item_record(item: WriteItem) -> list:
         return ["bytes", item.index.fqn]
     td = item.tensor_data
     return [
-        "tensor", item.index.fqn, list(td.chunk.offsets), list(td.chunk.sizes), list(td.size),
+        "tensor",
+        item.index.fqn,
+        list(td.chunk.offsets),
+        list(td.chunk.sizes),
+        list(td.size),
         str(td.properties.dtype).replace("torch.", ""),
     ]
 
@@ -177,7 +190,11 @@ def _plan_from_record(rec: dict) -> SavePlan:
     items = []
     for it in rec["items"]:
         if it[0] == "bytes":
-            items.append(WriteItem(index=MetadataIndex(it[1]), type=WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(0)))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(it[1]), type=WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(0)
+                )
+            )
         else:
             _, fqn, off, sizes, gsize, dtype = it
             items.append(
@@ -207,7 +224,8 @@ def _chosen_results(plan: SavePlan, record: dict) -> List[WriteResult]:
         if key in chosen:
             results.append(
                 WriteResult(
-                    index=MetadataIndex(fqn, off), size_in_bytes=length,
+                    index=MetadataIndex(fqn, off),
+                    size_in_bytes=length,
                     storage_data=_StorageInfo(rel, offset, length),
                 )
             )

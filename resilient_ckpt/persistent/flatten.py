@@ -125,8 +125,13 @@ def _sharded_tensor_entry(x: ShardedTensor) -> TensorEntry:
     extent = (1,) * x.prepend_axis_num + tuple(x.local_shape)
     data = x.data.detach()
     return TensorEntry(
-        x.key, tuple(x.global_offset), extent, tuple(x.global_shape), x.dtype,
-        x.is_main_replica(), data.reshape(extent),
+        x.key,
+        tuple(x.global_offset),
+        extent,
+        tuple(x.global_shape),
+        x.dtype,
+        x.is_main_replica(),
+        data.reshape(extent),
     )
 
 

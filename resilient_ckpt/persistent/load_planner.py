@@ -49,11 +49,7 @@ def decode_value(raw: bytes, fqn: str, allow_pickle: bool = False) -> Any:
     try:
         return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=not allow_pickle)
     except Exception as e:
-        hint = (
-            "; if you trust this checkpoint, load with allow_pickle=True"
-            if not allow_pickle
-            else ""
-        )
+        hint = "; if you trust this checkpoint, load with allow_pickle=True" if not allow_pickle else ""
         raise CodecError(
             f"checkpoint entry {fqn!r} cannot be decoded safely ({type(e).__name__}: "
             f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}){hint}"
@@ -157,7 +153,9 @@ class ResilientLoadPlanner(LoadPlanner):
         validate: check the stored chunks of requested keys before reading.
     """
 
-    def __init__(self, *, allow_partial_load: bool = False, allow_pickle: bool = False, validate: bool = True):
+    def __init__(
+        self, *, allow_partial_load: bool = False, allow_pickle: bool = False, validate: bool = True
+    ):
         self.allow_partial_load = allow_partial_load
         self.allow_pickle = allow_pickle
         self.validate = validate
@@ -172,7 +170,9 @@ class ResilientLoadPlanner(LoadPlanner):
 
     # -- registration helpers (shared with the metadata-only planner) --
 
-    def _register_tensor(self, fqn: str, offsets: Tuple[int, ...], dest: torch.Tensor, target: Optional[torch.Tensor] = None) -> None:
+    def _register_tensor(
+        self, fqn: str, offsets: Tuple[int, ...], dest: torch.Tensor, target: Optional[torch.Tensor] = None
+    ) -> None:
         key = (fqn, tuple(offsets))
         self._chunks.setdefault(fqn, []).append(
             ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(dest.shape))
@@ -188,7 +188,9 @@ class ResilientLoadPlanner(LoadPlanner):
             self.keys_not_in_checkpoint.append(fqn)
             return None
         if not isinstance(md, TensorStorageMetadata):
-            raise ValidationError(f"{what} {fqn!r} is a tensor in the state dict but a non-tensor value in the checkpoint")
+            raise ValidationError(
+                f"{what} {fqn!r} is a tensor in the state dict but a non-tensor value in the checkpoint"
+            )
         return md
 
     def set_up_planner(
@@ -204,7 +206,9 @@ class ResilientLoadPlanner(LoadPlanner):
         self.is_coordinator = is_coordinator
         self.keys_not_in_checkpoint = []
         if not isinstance(state_dict, dict):
-            raise ValidationError(f"the state dict to load into must be a dict, got {type(state_dict).__name__}")
+            raise ValidationError(
+                f"the state dict to load into must be a dict, got {type(state_dict).__name__}"
+            )
         for k in list(state_dict):
             self._walk(state_dict, k, (str(k),))
         _drop_marked_inplace(state_dict)
@@ -268,8 +272,7 @@ class ResilientLoadPlanner(LoadPlanner):
             )
         if md.properties.dtype != x.dtype:
             raise ValidationError(
-                f"{x.key!r}: the checkpoint holds {md.properties.dtype}, the state dict asks "
-                f"for {x.dtype}"
+                f"{x.key!r}: the checkpoint holds {md.properties.dtype}, the state dict asks for {x.dtype}"
             )
         extent = (1,) * x.prepend_axis_num + tuple(x.local_shape)
         data = x.data if x.data is not None else torch.empty(x.local_shape, dtype=x.dtype)
@@ -300,8 +303,7 @@ class ResilientLoadPlanner(LoadPlanner):
             return
         if tuple(md.size) != e.global_size:
             raise ValidationError(
-                f"{e.fqn!r}: the checkpoint holds size {list(md.size)}, the DTensor has "
-                f"{list(e.global_size)}"
+                f"{e.fqn!r}: the checkpoint holds size {list(md.size)}, the DTensor has {list(e.global_size)}"
             )
         self._register_tensor(e.fqn, e.offsets, e.tensor)
 
@@ -389,9 +391,13 @@ class MetadataStateDictLoadPlanner(ResilientLoadPlanner):
     def _check_keys_present(self, metadata: Metadata) -> None:
         if self.keys is None:
             return
-        absent = sorted(k for k in self.keys if not any(
-            f == k or f.startswith(k + ".") or f.startswith(k + "/") for f in metadata.state_dict_metadata
-        ))
+        absent = sorted(
+            k
+            for k in self.keys
+            if not any(
+                f == k or f.startswith(k + ".") or f.startswith(k + "/") for f in metadata.state_dict_metadata
+            )
+        )
         if absent:
             raise ValidationError(
                 f"keys not in the checkpoint: {', '.join(map(repr, absent[:MAX_REPORTED]))}; "

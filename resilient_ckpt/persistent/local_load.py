@@ -110,7 +110,5 @@ def tensors_metadata(metadata: Metadata) -> Dict[str, ShardedTensor]:
     for fqn, v in metadata.state_dict_metadata.items():
         if isinstance(v, TensorStorageMetadata) and not is_internal(fqn):
             shape = tuple(v.size)
-            out[fqn] = ShardedTensor(
-                fqn, None, v.properties.dtype, shape, shape, (0,) * len(shape), None
-            )
+            out[fqn] = ShardedTensor(fqn, None, v.properties.dtype, shape, shape, (0,) * len(shape), None)
     return out

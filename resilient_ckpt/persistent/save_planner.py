@@ -83,7 +83,9 @@ def _item_signature(item: WriteItem) -> tuple:
         item.type.name,
         item.index.fqn,
         None if item.index.offset is None else tuple(item.index.offset),
-        None if td is None else (tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size), str(td.properties.dtype)),
+        None
+        if td is None
+        else (tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size), str(td.properties.dtype)),
     )
 
 
@@ -131,7 +133,9 @@ class PlanSurvey:
 
     def _add_value(self, rank: int, fqn: str) -> None:
         if fqn in self.tensor_props:
-            self.problems.append(f"{fqn!r} is a tensor on rank {self.tensor_props[fqn][2]} and a value on rank {rank}")
+            self.problems.append(
+                f"{fqn!r} is a tensor on rank {self.tensor_props[fqn][2]} and a value on rank {rank}"
+            )
         self.value_writer.setdefault(fqn, rank)
 
     def _add_chunk(self, rank: int, item: WriteItem) -> None:
@@ -141,7 +145,9 @@ class PlanSurvey:
             self.problems.append(f"{fqn!r} on rank {rank}: tensor write item without a chunk")
             return
         if fqn in self.value_writer:
-            self.problems.append(f"{fqn!r} is a value on rank {self.value_writer[fqn]} and a tensor on rank {rank}")
+            self.problems.append(
+                f"{fqn!r} is a value on rank {self.value_writer[fqn]} and a tensor on rank {rank}"
+            )
         self._check_tensor_props(rank, fqn, td)
         cid = (fqn, tuple(td.chunk.offsets))
         shape = (tuple(td.chunk.sizes), rank)
@@ -328,7 +334,11 @@ class ResilientSavePlanner(SavePlanner):
             )
         for e in self._flat.values:
             items.append(
-                WriteItem(index=MetadataIndex(e.fqn), type=WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(nbytes=0))
+                WriteItem(
+                    index=MetadataIndex(e.fqn),
+                    type=WriteItemType.BYTE_IO,
+                    bytes_io_data=BytesIOWriteData(nbytes=0),
+                )
             )
         pd = LocalPlanData(
             mappings=tuple(sorted(self.mappings.items(), key=lambda kv: kv[0])),
@@ -366,7 +376,11 @@ class ResilientSavePlanner(SavePlanner):
         merged = [p if p.usable else self._cached_all[r] for r, p in enumerate(all_plans)]
         global_plans, metadata, writer = build_global_save_plan(merged, self.dedup_replicas)
         self.writer_of_chunk = writer
-        if self.enable_plan_caching and self._cached_global is not None and len(self._cached_global) == len(global_plans):
+        if (
+            self.enable_plan_caching
+            and self._cached_global is not None
+            and len(self._cached_global) == len(global_plans)
+        ):
             deltas = [
                 SavePlan([], usable=False) if plan_signature(old) == plan_signature(new) else new
                 for old, new in zip(self._cached_global, global_plans)

@@ -23,6 +23,7 @@ from ..model.nested import map_leaves, merge
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from .layout import RawBytes, hollow_fqn
 
+
 class StoreSnapshot:
     """One stored checkpoint (``owner``'s, iteration ``iteration``) as a state dict whose
     tensors are views of a read-only mapping of the store segment.

@@ -73,7 +73,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module in self._MODULES_ANY or (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise CorruptCheckpointError(
             f"{self.source} refers to {module}.{name}, which is not part of DCP metadata; it is "
@@ -89,7 +91,9 @@ def read_metadata_file(path: Union[str, os.PathLike], allow_pickle: bool = False
         raw = path.read_bytes()
     except FileNotFoundError:
         if not directory.exists():
-            raise CorruptCheckpointError(f"{directory} does not exist; pass a DCP checkpoint directory") from None
+            raise CorruptCheckpointError(
+                f"{directory} does not exist; pass a DCP checkpoint directory"
+            ) from None
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a complete DCP checkpoint (a save that did not "
             "finish writes its metadata last); use an older checkpoint"
@@ -127,7 +131,9 @@ def stored_lengths(metadata: Metadata) -> Dict[StoredKey, int]:
     the storage layout is not a file layout)."""
     out = {}
     for idx, info in (metadata.storage_data or {}).items():
-        out[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = int(getattr(info, "length", 0) or 0)
+        out[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = int(
+            getattr(info, "length", 0) or 0
+        )
     return out
 
 
@@ -149,7 +155,9 @@ class SafeFileSystemReader(FileSystemReader):
         md.storage_meta.load_id = self.load_id
         return md
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if metadata.storage_data is None:
             raise CorruptCheckpointError(f"{self.path}/{METADATA_NAME} has no storage layout (storage_data)")
         check_data_files(self.path, metadata)
@@ -213,7 +221,9 @@ class CountingStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.inner.read_metadata(*args, **kwargs)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self._storage_data = metadata.storage_data or {}
         self.inner.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 

@@ -167,9 +167,7 @@ _REGISTRY: Dict[Tuple[StrategyAction, str, int], _Factory] = {}
 _UNSUPPORTED: Dict[Tuple[StrategyAction, str], str] = {}
 
 
-def register_default_strategy(
-    action: StrategyAction, backend: str, version: int, factory: _Factory
-) -> None:
+def register_default_strategy(action: StrategyAction, backend: str, version: int, factory: _Factory) -> None:
     """Make ``factory(**kwargs)`` the default strategy for (action, backend, version)."""
     if not isinstance(action, StrategyAction):
         raise ValidationError(f"action must be a StrategyAction, got {action!r}")
@@ -178,7 +176,10 @@ def register_default_strategy(
 
 def registered_strategies() -> Dict[Tuple[str, str, int], str]:
     """(action, backend, version) -> factory name, for diagnostics."""
-    return {(a.value, b, v): getattr(f, "__name__", repr(f)) for (a, b, v), f in sorted(_REGISTRY.items(), key=lambda kv: (kv[0][0].value, kv[0][1], kv[0][2]))}
+    return {
+        (a.value, b, v): getattr(f, "__name__", repr(f))
+        for (a, b, v), f in sorted(_REGISTRY.items(), key=lambda kv: (kv[0][0].value, kv[0][1], kv[0][2]))
+    }
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int, **kwargs: Any):
@@ -269,8 +270,11 @@ class DcpSaveShardedStrategy(SaveShardedStrategy):
         writer = ResilientFileSystemWriter(
             d,
             manifest=new_manifest(
-                "strategy", session=None, iteration=None,
-                world_size=dist.get_world_size() if not no_dist else 1, backend=self.backend,
+                "strategy",
+                session=None,
+                iteration=None,
+                world_size=dist.get_world_size() if not no_dist else 1,
+                backend=self.backend,
             ),
             thread_count=self.thread_count,
             sync_files=self.sync_files,
@@ -278,8 +282,13 @@ class DcpSaveShardedStrategy(SaveShardedStrategy):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.save(sharded_state_dict, storage_writer=writer, planner=self.planner,
-                         process_group=self.process_group, no_dist=no_dist)
+                dcp.save(
+                    sharded_state_dict,
+                    storage_writer=writer,
+                    planner=self.planner,
+                    process_group=self.process_group,
+                    no_dist=no_dist,
+                )
         except CheckpointException as e:
             raise error_from_dcp(e, f"saving {d}") from None
 
@@ -305,8 +314,13 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
     backend = "dcp"
     supported_versions = (1,)
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, allow_partial_load: bool = False,
-                 allow_pickle: bool = False):
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        allow_partial_load: bool = False,
+        allow_pickle: bool = False,
+    ):
         self.process_group = process_group
         self.allow_partial_load = allow_partial_load
         self.allow_pickle = allow_pickle
@@ -319,7 +333,9 @@ class DcpLoadShardedStrategy(LoadShardedStrategy):
         d = _dir(checkpoint_dir)
         self.check_compatibility(*read_checkpoint_format(d))
         reader = SafeFileSystemReader(d, allow_pickle=self.allow_pickle)
-        planner = ResilientLoadPlanner(allow_partial_load=self.allow_partial_load, allow_pickle=self.allow_pickle)
+        planner = ResilientLoadPlanner(
+            allow_partial_load=self.allow_partial_load, allow_pickle=self.allow_pickle
+        )
         return d, reader, planner
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
@@ -343,9 +359,17 @@ class TwoStageDcpLoadShardedStrategy(DcpLoadShardedStrategy):
     """Each stored entry is read by one rank of ``data_parallel_group`` and broadcast to the
     others (:func:`~resilient_ckpt.persistent.two_stage.two_stage_load`)."""
 
-    def __init__(self, data_parallel_group: Optional[dist.ProcessGroup] = None, *, read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
-                 allow_partial_load: bool = False, allow_pickle: bool = False):
-        super().__init__(data_parallel_group, allow_partial_load=allow_partial_load, allow_pickle=allow_pickle)
+    def __init__(
+        self,
+        data_parallel_group: Optional[dist.ProcessGroup] = None,
+        *,
+        read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+        allow_partial_load: bool = False,
+        allow_pickle: bool = False,
+    ):
+        super().__init__(
+            data_parallel_group, allow_partial_load=allow_partial_load, allow_pickle=allow_pickle
+        )
         self.data_parallel_group = data_parallel_group
         self.read_ahead_bytes = read_ahead_bytes
         self.last_stats = None
@@ -377,8 +401,7 @@ class DcpLoadCommonStrategy(LoadCommonStrategy):
             raw = p.read_bytes()
         except FileNotFoundError:
             raise CorruptCheckpointError(
-                f"{p} is missing: {d} holds no common state (save it with the dcp "
-                "SAVE_COMMON strategy)"
+                f"{p} is missing: {d} holds no common state (save it with the dcp SAVE_COMMON strategy)"
             ) from None
         return codec.decode(raw)
 
@@ -465,7 +488,9 @@ class MemoryLoadShardedStrategy(LoadShardedStrategy):
     def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> Dict[str, Any]:
         store = self.manager.store
         want = iteration_of(checkpoint_dir)
-        mine = [c for c in store.list() if c.owner == self.manager.rank and (want is None or c.iteration == want)]
+        mine = [
+            c for c in store.list() if c.owner == self.manager.rank and (want is None or c.iteration == want)
+        ]
         if not mine:
             raise CheckpointingException(
                 f"store {store.dir} holds no checkpoint of rank {self.manager.rank}"
@@ -488,8 +513,7 @@ _UNSUPPORTED[(StrategyAction.SAVE_COMMON, "memory")] = (
     "state dict with its SAVE_SHARDED strategy"
 )
 _UNSUPPORTED[(StrategyAction.LOAD_COMMON, "memory")] = (
-    "the memory backend returns the common state with the sharded state; use its LOAD_SHARDED "
-    "strategy"
+    "the memory backend returns the common state with the sharded state; use its LOAD_SHARDED strategy"
 )
 
 

@@ -66,6 +66,7 @@ from ..memory.store import CheckpointStore
 from ..model.mapping import ShardedObject, apply_factory_merges
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge, split
 from ..parallel import collectives
+
 # The template preprocessing the memory tier's load uses (private there until parallel/ exports it).
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..parallel.tensor_aware_state_dict import preprocess as preprocess_template
@@ -409,7 +410,11 @@ class PersistentTier:
         self.last_flush = result
         logger.info(
             "flushed iteration %d to %s: %.3f GB in %.2fs (%.2f GB/s for the group)",
-            iteration, final, total / 1e9, result.durable_seconds, result.throughput_gbps,
+            iteration,
+            final,
+            total / 1e9,
+            result.durable_seconds,
+            result.throughput_gbps,
         )
         return result
 
@@ -447,7 +452,10 @@ class PersistentTier:
         """DCP's save of the snapshot into ``partial`` (collective); the snapshot is closed
         whatever happens."""
         manifest = new_manifest(
-            "flush", session=session, iteration=iteration, world_size=self.world_size,
+            "flush",
+            session=session,
+            iteration=iteration,
+            world_size=self.world_size,
             group_size=collectives.group_size(self._group) if self._group is not None else 1,
             writer=writer_id(),
         )
@@ -593,17 +601,25 @@ class PersistentTier:
         planner = ResilientLoadPlanner(allow_partial_load=not strict, allow_pickle=allow_pickle)
         prepared = self._together(f"load of {chosen.path}", self._prepare_load, chosen, template)
         bytes_read = self._together(
-            f"load of {chosen.path}", self._read_tensors, prepared, planner,
+            f"load of {chosen.path}",
+            self._read_tensors,
+            prepared,
+            planner,
             parallelization_group if two_stage else None,
         )
         result = _assemble(prepared, template)
-        self._last_flushed = max(self._last_flushed if self._last_flushed is not None else -1, chosen.iteration)
+        self._last_flushed = max(
+            self._last_flushed if self._last_flushed is not None else -1, chosen.iteration
+        )
         self.last_load = LoadReport(
             "persistent", chosen.iteration, chosen.path, time.perf_counter() - t0, bytes_read, two_stage
         )
         logger.info(
             "rank %d restored iteration %d from the persistent tier (%s) in %.3fs",
-            self.rank, chosen.iteration, chosen.path, self.last_load.seconds,
+            self.rank,
+            chosen.iteration,
+            chosen.path,
+            self.last_load.seconds,
         )
         return result, chosen.iteration
 
@@ -651,7 +667,9 @@ class PersistentTier:
             objects, prepared.target = split(tasd.sharded_state_dict, lambda v: isinstance(v, ShardedObject))
             prepared.nonpersistent = map_leaves_inplace(lambda o: o.data, objects)
         else:
-            prepared.target, _tpl_common, prepared.nonpersistent, prepared.factories = preprocess_template(template)
+            prepared.target, _tpl_common, prepared.nonpersistent, prepared.factories = preprocess_template(
+                template
+            )
         if not isinstance(prepared.target, dict):
             prepared.target = {}
         return prepared
@@ -663,7 +681,11 @@ class PersistentTier:
         bytes read."""
         if dp_group is not None:
             stats = two_stage_load(
-                prepared.target, prepared.reader, dp_group, planner=planner, metadata=prepared.metadata,
+                prepared.target,
+                prepared.reader,
+                dp_group,
+                planner=planner,
+                metadata=prepared.metadata,
                 read_ahead_bytes=self.read_ahead_bytes,
             )
             return stats.bytes_read
@@ -714,7 +736,11 @@ def _assemble(prepared: _PreparedLoad, template: Optional[Any]) -> Any:
     """The loaded state dict: common state, loaded tensors and values, local objects, merged
     factories (what ``CheckpointManager.load_local`` returns)."""
     target = prepared.target
-    if template is None and torch.cuda.is_available() and any(d.startswith("cuda") for d in prepared.saved_devices):
+    if (
+        template is None
+        and torch.cuda.is_available()
+        and any(d.startswith("cuda") for d in prepared.saved_devices)
+    ):
         # As load_local does: tensors go back to the device type they were saved from.
         map_leaves_inplace(lambda v: v.cuda() if isinstance(v, torch.Tensor) else v, target)
     result = map_leaves(lambda v: v, prepared.common)
@@ -765,7 +791,13 @@ def restore_latest(
         if out is not None:
             m = manager.last_load_metrics
             name, source = "memory", f"memory:{getattr(m, 'source', '')}"
-            tier.last_load = LoadReport("memory", out[1], getattr(m, "source", ""), getattr(m, "total_s", 0.0), getattr(m, "bytes_read", 0))
+            tier.last_load = LoadReport(
+                "memory",
+                out[1],
+                getattr(m, "source", ""),
+                getattr(m, "total_s", 0.0),
+                getattr(m, "bytes_read", 0),
+            )
     if out is None:
         out = tier.load(template, parallelization_group, strict=strict)
         if out is not None:

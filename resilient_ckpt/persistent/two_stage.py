@@ -130,7 +130,9 @@ def _gather_needs(local: _LocalReads, group: Optional[dist.ProcessGroup], n: int
     if bad:
         if local_exc is not None:
             raise local_exc
-        raise CheckpointingException(f"two-stage load failed on group rank {bad[0][0]}, so every rank stops: {bad[0][1]}")
+        raise CheckpointingException(
+            f"two-stage load failed on group rank {bad[0][0]}, so every rank stops: {bad[0][1]}"
+        )
     return [[(fqn, None if off is None else tuple(off)) for fqn, off in g["need"]] for g in gathered]
 
 
@@ -138,7 +140,9 @@ def _chunk_index(metadata: Metadata, fqn: str) -> Dict[Tuple[int, ...], Tuple[in
     return {tuple(c.offsets): (i, c) for i, c in enumerate(metadata.state_dict_metadata[fqn].chunks)}
 
 
-def plan_two_stage(needs: Sequence[Sequence[StoredKey]], metadata: Metadata, num_ranks: int) -> List[StoredEntry]:
+def plan_two_stage(
+    needs: Sequence[Sequence[StoredKey]], metadata: Metadata, num_ranks: int
+) -> List[StoredEntry]:
     """Which rank reads each stored entry the group needs, in the global order every rank
     walks (pure: every rank computes the same plan from the gathered needs)."""
     holders: Dict[Tuple[str, Tuple[int, ...]], List[int]] = {}
@@ -165,12 +169,20 @@ def plan_two_stage(needs: Sequence[Sequence[StoredKey]], metadata: Metadata, num
                     sizes[sid] = max(1, _numel(at[1].sizes) * itemsize)
             holders[sid].append(r)
     readers = assign_shards(holders, sizes, num_ranks) if holders else {}
-    return [_entry(kinds[sid], sizes[sid], readers[sid], holders[sid], chunks.get(kinds[sid]), metadata)
-            for sid in sorted(holders, key=lambda s: _key_order(kinds[s]))]
+    return [
+        _entry(kinds[sid], sizes[sid], readers[sid], holders[sid], chunks.get(kinds[sid]), metadata)
+        for sid in sorted(holders, key=lambda s: _key_order(kinds[s]))
+    ]
 
 
-def _entry(key: StoredKey, nbytes: int, reader: int, needers: List[int],
-           at: Optional[Tuple[int, ChunkStorageMetadata]], metadata: Metadata) -> StoredEntry:
+def _entry(
+    key: StoredKey,
+    nbytes: int,
+    reader: int,
+    needers: List[int],
+    at: Optional[Tuple[int, ChunkStorageMetadata]],
+    metadata: Metadata,
+) -> StoredEntry:
     if at is None:
         return StoredEntry(key, nbytes, reader, tuple(needers))
     dtype = metadata.state_dict_metadata[key[0]].properties.dtype
@@ -235,7 +247,9 @@ class _BufferPlanner(PassiveLoadPlanner):
         pass
 
 
-def _read_entry(reader: StorageReader, entry: StoredEntry, pin: bool, out: Optional[torch.Tensor] = None) -> Any:
+def _read_entry(
+    reader: StorageReader, entry: StoredEntry, pin: bool, out: Optional[torch.Tensor] = None
+) -> Any:
     """One whole stored entry: its bytes (a value) or a tensor of the chunk (into ``out``)."""
     planner = _BufferPlanner(pin)
     if entry.is_value:
@@ -260,8 +274,14 @@ class _ReadAhead:
     """A thread reading this rank's entries in order, at most ``budget_bytes`` of them read
     and not yet used (one entry always goes, however large)."""
 
-    def __init__(self, reader: StorageReader, entries: List[StoredEntry], direct: Dict[StoredKey, torch.Tensor],
-                 budget_bytes: int, stats: TwoStageStats):
+    def __init__(
+        self,
+        reader: StorageReader,
+        entries: List[StoredEntry],
+        direct: Dict[StoredKey, torch.Tensor],
+        budget_bytes: int,
+        stats: TwoStageStats,
+    ):
         self._reader = reader
         self._entries = entries
         self._direct = direct
@@ -296,8 +316,11 @@ class _ReadAhead:
     def _run(self) -> None:
         for e in self._entries:
             with self._budget:
-                while (self._in_flight > 0 and self._in_flight + e.nbytes > self._budget_bytes
-                       and not self._stop.is_set()):
+                while (
+                    self._in_flight > 0
+                    and self._in_flight + e.nbytes > self._budget_bytes
+                    and not self._stop.is_set()
+                ):
                     self._budget.wait(0.5)
                 self._in_flight += e.nbytes
             if self._stop.is_set():
@@ -318,7 +341,9 @@ def _broadcast_bytes(raw: bytes, src_global: int, group, dev: torch.device, is_s
     dist.broadcast(n, src_global, group=group)
     size = int(n.item())
     if is_src:
-        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        )
         buf = buf.to(dev)
     else:
         buf = torch.empty(size, dtype=torch.uint8, device=dev)
@@ -345,9 +370,16 @@ class _Exchange:
     copied into this rank's destinations. The first local failure is kept in
     ``first_error`` (later entries are still broadcast, not applied)."""
 
-    def __init__(self, planner: LoadPlanner, mine: Dict[StoredKey, List[ReadItem]],
-                 direct: Dict[StoredKey, torch.Tensor], group: Optional[dist.ProcessGroup],
-                 me: int, dev: torch.device, stats: TwoStageStats):
+    def __init__(
+        self,
+        planner: LoadPlanner,
+        mine: Dict[StoredKey, List[ReadItem]],
+        direct: Dict[StoredKey, torch.Tensor],
+        group: Optional[dist.ProcessGroup],
+        me: int,
+        dev: torch.device,
+        stats: TwoStageStats,
+    ):
         self.planner = planner
         self.mine = mine
         self.direct = direct
@@ -383,7 +415,9 @@ class _Exchange:
         is_src = e.reader == self.me
         raw = data if is_src else None
         if len(e.needers) > 1:
-            raw = _broadcast_bytes(raw if raw is not None else b"", self._src(e), self.group, self.dev, is_src)
+            raw = _broadcast_bytes(
+                raw if raw is not None else b"", self._src(e), self.group, self.dev, is_src
+            )
         if self.me in e.needers and raw is not None and self.first_error is None:
             try:
                 _apply_bytes(self.planner, self.mine[e.key], raw)

@@ -74,21 +74,13 @@ class Placement:
             "use 1 for no replicas, 2 for one copy on another node, …",
         )
         _positive_int("jump", self.jump, "use the number of ranks per node (the default)")
-        _positive_int(
-            "ranks_per_node", self.ranks_per_node, "use LOCAL_WORLD_SIZE (ranks on one host)"
-        )
+        _positive_int("ranks_per_node", self.ranks_per_node, "use LOCAL_WORLD_SIZE (ranks on one host)")
         if self.kind not in KINDS:
-            raise ReplicationError(
-                f"unknown placement kind {self.kind!r}; use one of {', '.join(KINDS)}"
-            )
+            raise ReplicationError(f"unknown placement kind {self.kind!r}; use one of {', '.join(KINDS)}")
         if self.kind == RING:
-            holders = _ring(
-                self.world_size, self.replication_factor, self.jump, self.ranks_per_node
-            )
+            holders = _ring(self.world_size, self.replication_factor, self.jump, self.ranks_per_node)
         else:
-            holders = _clique(
-                self.world_size, self.replication_factor, self.jump, self.ranks_per_node
-            )
+            holders = _clique(self.world_size, self.replication_factor, self.jump, self.ranks_per_node)
         sources: List[List[int]] = [[] for _ in range(self.world_size)]
         for src, hs in enumerate(holders):
             for h in hs:
@@ -120,9 +112,7 @@ class Placement:
         return self._check_rank(rank) // self.ranks_per_node
 
     def ranks_on_node(self, node: int) -> range:
-        return range(
-            node * self.ranks_per_node, min((node + 1) * self.ranks_per_node, self.world_size)
-        )
+        return range(node * self.ranks_per_node, min((node + 1) * self.ranks_per_node, self.world_size))
 
     @property
     def max_replicas_held(self) -> int:
@@ -297,9 +287,7 @@ def _augment(
 ) -> None:
     """Give source ``r`` one more node by shifting other sources along a chain of full nodes."""
     blocked = set(assigned[r]) | {node_of(r)}
-    parent: Dict[int, Optional[Tuple[int, int]]] = {
-        m: None for m in range(nodes) if m not in blocked
-    }
+    parent: Dict[int, Optional[Tuple[int, int]]] = {m: None for m in range(nodes) if m not in blocked}
     queue = deque(parent)
     # Nodes not reached yet, ascending (deterministic). Almost any source can move to almost any
     # node, so the first scan empties this list and the search stays about O(nodes).

@@ -94,9 +94,7 @@ class TransferStats:
         return total / (1 << 30) / self.seconds if self.seconds > 0 else 0.0
 
 
-def new_checkpoint_group(
-    backend: Optional[str] = None, timeout_s: float = 120
-) -> dist.ProcessGroup:
+def new_checkpoint_group(backend: Optional[str] = None, timeout_s: float = 120) -> dist.ProcessGroup:
     """A process group of all ranks reserved for checkpoint traffic.
 
     Its own communicator keeps replication from interleaving with (or waiting behind) training
@@ -219,9 +217,7 @@ class P2PTransport:
         self.group = group if group is not None else dist.group.WORLD
         self.chunk_bytes = chunk_bytes
         self.device = _comm_device(self.group)
-        self.timeout_s = (
-            float(timeout) if timeout is not None else _group_timeout_s(self.group, self.device)
-        )
+        self.timeout_s = float(timeout) if timeout is not None else _group_timeout_s(self.group, self.device)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(self.group)
         self._peers = set(dist.get_process_group_ranks(self.group))
@@ -364,12 +360,7 @@ class P2PTransport:
     def _check_outgoing(self, index: int, o: Outgoing) -> _Transfer:
         dst = self._check_peer(o.dst, "destination")
         p = o.payload
-        if (
-            not isinstance(p, torch.Tensor)
-            or p.dtype != torch.uint8
-            or p.dim() != 1
-            or not p.is_contiguous()
-        ):
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous():
             raise ReplicationError(
                 f"payload for rank {dst} must be a contiguous 1-D uint8 tensor, got "
                 f"{_describe(p)}; pass the store segment (or tensor.view(-1).view(torch.uint8))"
@@ -380,7 +371,15 @@ class P2PTransport:
             )
         header = bytes(o.header)
         return _Transfer(
-            dst, True, header, len(header), p, None, p.numel(), self.chunk_bytes, index=index,
+            dst,
+            True,
+            header,
+            len(header),
+            p,
+            None,
+            p.numel(),
+            self.chunk_bytes,
+            index=index,
             on_chunk=o.on_chunk,
         )
 
@@ -426,8 +425,7 @@ class P2PTransport:
         if not ops:
             return
         p2p = [
-            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, self.group)
-            for op in ops
+            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, self.group) for op in ops
         ]
         try:
             works = dist.batch_isend_irecv(p2p)

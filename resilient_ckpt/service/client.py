@@ -226,7 +226,9 @@ def plan_recovery(
     for owner in range(node_id * rpn, min((node_id + 1) * rpn, world)):
         if (it, owner) in have:
             continue
-        nodes = sorted({h.node for h in of_it if h.owner == owner and h.node is not None and h.node != node_id})
+        nodes = sorted(
+            {h.node for h in of_it if h.owner == owner and h.node is not None and h.node != node_id}
+        )
         if not nodes:
             continue  # complete means someone has it; only this node itself (already local)
         nbytes = max(h.total_bytes for h in of_it if h.owner == owner)
@@ -244,14 +246,24 @@ class DaemonError(ProtocolError):
 
     reason = "daemon"
 
-    def __init__(self, what: str, *, peer: Optional[str] = None, fix: Optional[str] = None,
-                 code: ErrorCode = ErrorCode.INTERNAL, retryable: bool = False):
+    def __init__(
+        self,
+        what: str,
+        *,
+        peer: Optional[str] = None,
+        fix: Optional[str] = None,
+        code: ErrorCode = ErrorCode.INTERNAL,
+        retryable: bool = False,
+    ):
         super().__init__(what, peer=peer, fix=fix)
         self.code = code
         self.retryable = retryable
 
     def __reduce__(self):
-        return (_rebuild_daemon_error, (type(self), self.what, self.peer, self.fix, self.code, self.retryable))
+        return (
+            _rebuild_daemon_error,
+            (type(self), self.what, self.peer, self.fix, self.code, self.retryable),
+        )
 
 
 def _rebuild_daemon_error(cls, what, peer, fix, code, retryable):
@@ -387,14 +399,30 @@ class Rpc:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def message(self, mtype: MessageType, session: str, body: Mapping[str, Any], *, req_id: int,
-                frames: Sequence[Any] = ()) -> Message:
+    def message(
+        self,
+        mtype: MessageType,
+        session: str,
+        body: Mapping[str, Any],
+        *,
+        req_id: int,
+        frames: Sequence[Any] = (),
+    ) -> Message:
         version = PROTOCOL_VERSION if mtype in (MessageType.HELLO,) else self.version
-        return Message(type=mtype, session=session, sender=self.sender, req_id=req_id, body=dict(body),
-                       frames=tuple(frames), version=version, timestamp_ns=self._clock())
+        return Message(
+            type=mtype,
+            session=session,
+            sender=self.sender,
+            req_id=req_id,
+            body=dict(body),
+            frames=tuple(frames),
+            version=version,
+            timestamp_ns=self._clock(),
+        )
 
-    def hello(self, session: str, *, timeout_s: float, retries: int = 0,
-              credit_bytes: Optional[int] = None) -> Dict[str, Any]:
+    def hello(
+        self, session: str, *, timeout_s: float, retries: int = 0, credit_bytes: Optional[int] = None
+    ) -> Dict[str, Any]:
         body: Dict[str, Any] = {
             "min_version": MIN_PROTOCOL_VERSION,
             "max_version": PROTOCOL_VERSION,
@@ -404,8 +432,14 @@ class Rpc:
         }
         if credit_bytes is not None:
             body["credit_bytes"] = credit_bytes
-        reply = self.request(MessageType.HELLO, session, body, timeout_s=timeout_s, retries=retries,
-                             expect=MessageType.HELLO_OK)
+        reply = self.request(
+            MessageType.HELLO,
+            session,
+            body,
+            timeout_s=timeout_s,
+            retries=retries,
+            expect=MessageType.HELLO_OK,
+        )
         self.version = reply.body["version"]
         self.peer_hello = dict(reply.body)
         return dict(reply.body)
@@ -443,8 +477,10 @@ class Rpc:
                         continue
                     fix = None
                     if wait is not None:  # fresh messages were refused too: this clock is behind
-                        fix = (f"this host's clock still reads {wait:.3f} s before the daemon's start: it is "
-                               "behind the daemon's clock; synchronise clocks (NTP/chrony)")
+                        fix = (
+                            f"this host's clock still reads {wait:.3f} s before the daemon's start: it is "
+                            "behind the daemon's clock; synchronise clocks (NTP/chrony)"
+                        )
                     raise error_from_reply(reply, self.endpoint, fix)
                 if reply.type is not expect:
                     raise DaemonError(
@@ -455,8 +491,16 @@ class Rpc:
                 return reply
         raise self._no_answer(mtype, retries, timeout_s + wait_s) from last
 
-    def _attempt(self, mtype: MessageType, session: str, body: Mapping[str, Any], req_id: int, *,
-                 timeout_s: float, wait_s: float) -> Message:
+    def _attempt(
+        self,
+        mtype: MessageType,
+        session: str,
+        body: Mapping[str, Any],
+        req_id: int,
+        *,
+        timeout_s: float,
+        wait_s: float,
+    ) -> Message:
         """One send and the wait for its answer. A new Message per send: fresh nonce and
         timestamp (a daemon refuses a message older than its start, e.g. one encoded before it
         restarted), stamped once the socket can take it: one stamped while the daemon was still
@@ -476,7 +520,8 @@ class Rpc:
             cancelled = self.cancel is not None and self.cancel.is_set()
             if remaining <= 0 or cancelled:
                 raise PeerTimeout(
-                    f"gave up sending {mtype.name}: shutting down" if cancelled
+                    f"gave up sending {mtype.name}: shutting down"
+                    if cancelled
                     else f"could not send {mtype.name} within {timeout_s:g} s (peer not connected or not reading)",
                     peer=self.endpoint,
                     fix="check that the peer's daemon is up and reachable; retry later or another holder",
@@ -484,12 +529,16 @@ class Rpc:
             sock.poll(_ms(min(remaining, _SLICE_S)), zmq.POLLOUT)
 
     def _no_answer(self, mtype: MessageType, retries: int, seconds: float) -> PeerTimeout:
-        fix = ("check that the daemon is running at this endpoint (resilient-ckpt serve) and that it "
-               "uses the job's secret: it drops messages it cannot authenticate without answering")
+        fix = (
+            "check that the daemon is running at this endpoint (resilient-ckpt serve) and that it "
+            "uses the job's secret: it drops messages it cannot authenticate without answering"
+        )
         if self.stale_skew_s is not None:  # only with evidence: an answer came back outside the window
-            fix += (f"; also, an answer from it was timestamped {self.stale_skew_s:+.1f} s from this host's "
-                    "clock: the clocks disagree beyond the replay window and each side drops the other's "
-                    "messages, synchronise clocks (NTP/chrony)")
+            fix += (
+                f"; also, an answer from it was timestamped {self.stale_skew_s:+.1f} s from this host's "
+                "clock: the clocks disagree beyond the replay window and each side drops the other's "
+                "messages, synchronise clocks (NTP/chrony)"
+            )
         exc = PeerTimeout(
             f"no answer to {mtype.name} after {retries + 1} attempt(s) of {seconds:g} s",
             peer=self.endpoint,
@@ -502,8 +551,11 @@ class Rpc:
         """Seconds until this host's clock passes the daemon's start, if ``reply`` refuses a
         message as older than that start (else None)."""
         start = reply.body.get("daemon_start_ns")
-        if ErrorCode.of(reply.body.get("code", "")) is not ErrorCode.REPLAYED or not isinstance(start, int) \
-                or isinstance(start, bool):
+        if (
+            ErrorCode.of(reply.body.get("code", "")) is not ErrorCode.REPLAYED
+            or not isinstance(start, int)
+            or isinstance(start, bool)
+        ):
             return None
         return max(0.0, (start - self._clock()) / 1e9) + 0.001
 
@@ -515,22 +567,36 @@ class Rpc:
 
     def send(self, msg: Message, *, timeout_s: float) -> None:
         """Send on this channel's socket (hold ``lock``); PeerTimeout, early if cancelled."""
-        send_until(self.socket, msg, self.authenticator, timeout_s=timeout_s, limits=self.limits,
-                   cancel=self.cancel, peer=self.endpoint)
+        send_until(
+            self.socket,
+            msg,
+            self.authenticator,
+            timeout_s=timeout_s,
+            limits=self.limits,
+            cancel=self.cancel,
+            peer=self.endpoint,
+        )
 
     def await_reply(self, req_id: int, deadline: float) -> Message:
         """The next message echoing ``req_id``; others (late answers, stray CREDIT) are skipped."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or (self.cancel is not None and self.cancel.is_set()):
-                raise PeerTimeout("no answer within the deadline" if remaining <= 0 else "shutting down",
-                                  peer=self.endpoint)
+                raise PeerTimeout(
+                    "no answer within the deadline" if remaining <= 0 else "shutting down", peer=self.endpoint
+                )
             if self.cancel is not None:
                 remaining = min(remaining, _SLICE_S)
             try:
                 label, frames = recv_raw(self.socket, timeout_ms=max(1, _ms(remaining)), limits=self.limits)
-                reply = decode(frames, self.authenticator, expected_session=None, replay_guard=self._guard,
-                               limits=self.limits, peer=label)
+                reply = decode(
+                    frames,
+                    self.authenticator,
+                    expected_session=None,
+                    replay_guard=self._guard,
+                    limits=self.limits,
+                    peer=label,
+                )
             except PeerTimeout:
                 if self.cancel is not None:
                     continue  # one slice passed; the loop checks the deadline and the cancel
@@ -543,8 +609,14 @@ class Rpc:
                 if exc.skew_s is not None:
                     self.stale_skew_s = exc.skew_s
                 try:
-                    reply = decode(frames, self.authenticator, expected_session=None, replay_guard=None,
-                                   limits=self.limits, peer=label)
+                    reply = decode(
+                        frames,
+                        self.authenticator,
+                        expected_session=None,
+                        replay_guard=None,
+                        limits=self.limits,
+                        peer=label,
+                    )
                 except ProtocolError:
                     continue
             except ProtocolError:
@@ -589,7 +661,8 @@ def send_until(
             if remaining <= 0 or cancel.is_set():
                 raise PeerTimeout(
                     f"could not send {msg.type.name} within {timeout_s:g} s (peer not connected or not reading)"
-                    if remaining <= 0 else f"gave up sending {msg.type.name}: shutting down",
+                    if remaining <= 0
+                    else f"gave up sending {msg.type.name}: shutting down",
                     peer=peer,
                     fix="check that the peer's daemon is up and reachable; retry later or another holder",
                 ) from None
@@ -635,17 +708,37 @@ class DaemonClient:
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
         self.authenticator = authenticator or authenticator_from_env()
-        self._rpc = Rpc(endpoint, self.authenticator, sender=sender or default_sender(rank), role="client",
-                        context=context, limits=limits, hello_extra={"rank": rank} if rank is not None else None,
-                        clock=clock)
+        self._rpc = Rpc(
+            endpoint,
+            self.authenticator,
+            sender=sender or default_sender(rank),
+            role="client",
+            context=context,
+            limits=limits,
+            hello_extra={"rank": rank} if rank is not None else None,
+            clock=clock,
+        )
 
     def __repr__(self) -> str:
         return f"DaemonClient({self.endpoint!r}, session={self.session!r})"
 
-    def _call(self, mtype: MessageType, body: Mapping[str, Any], *, timeout_s: Optional[float] = None,
-              wait_s: float = 0.0, retries: Optional[int] = None) -> Message:
-        return self._rpc.request(mtype, self.session, body, timeout_s=timeout_s or self.timeout_s,
-                                 retries=self.retries if retries is None else retries, wait_s=wait_s)
+    def _call(
+        self,
+        mtype: MessageType,
+        body: Mapping[str, Any],
+        *,
+        timeout_s: Optional[float] = None,
+        wait_s: float = 0.0,
+        retries: Optional[int] = None,
+    ) -> Message:
+        return self._rpc.request(
+            mtype,
+            self.session,
+            body,
+            timeout_s=timeout_s or self.timeout_s,
+            retries=self.retries if retries is None else retries,
+            wait_s=wait_s,
+        )
 
     # -- basic --------------------------------------------------------------------------------
 
@@ -668,8 +761,9 @@ class DaemonClient:
         """The daemon's STATUS: node id, version, store usage, peers, transfers, counters."""
         return dict(self._call(MessageType.STATUS, {}).body.get("result", {}))
 
-    def list(self, iteration: Optional[int] = None, owner: Optional[int] = None, *,
-             peers: bool = False) -> List[Holding]:
+    def list(
+        self, iteration: Optional[int] = None, owner: Optional[int] = None, *, peers: bool = False
+    ) -> List[Holding]:
         """Checkpoints of this session held by the daemon (and by its peers with ``peers``)."""
         body: Dict[str, Any] = {}
         if iteration is not None:
@@ -679,15 +773,17 @@ class DaemonClient:
         if peers:
             body["peers"] = True
         result = self._call(MessageType.LIST, body).body.get("result", {})
-        return sorted((Holding.from_wire(h) for h in result.get("holdings", ())),
-                      key=lambda h: (h.iteration, h.owner, -1 if h.node is None else h.node))
+        return sorted(
+            (Holding.from_wire(h) for h in result.get("holdings", ())),
+            key=lambda h: (h.iteration, h.owner, -1 if h.node is None else h.node),
+        )
 
     def drop(self, ids: Iterable[Tuple[int, int]]) -> int:
         """Retire ``(iteration, owner)`` ids from the daemon's store; returns how many existed."""
         wire = [{"iteration": int(i), "owner_rank": int(o)} for i, o in ids]
         dropped = 0
         for start in range(0, len(wire), 4096):
-            result = self._call(MessageType.DROP, {"ids": wire[start:start + 4096]}).body["result"]
+            result = self._call(MessageType.DROP, {"ids": wire[start : start + 4096]}).body["result"]
             dropped += result["dropped"]
         return dropped
 
@@ -729,7 +825,9 @@ class DaemonClient:
         result = self._call(MessageType.STATUS, body, wait_s=wait_s).body.get("result", {})
         return ReplicationState.from_wire(iteration, owner, result.get("replication"))
 
-    def wait_replicated(self, iteration: int, owner: int, timeout: Optional[float] = None) -> ReplicationState:
+    def wait_replicated(
+        self, iteration: int, owner: int, timeout: Optional[float] = None
+    ) -> ReplicationState:
         """Block until every holder node acknowledged the id; ReplicationError naming the failed
         peer if replication failed, or if the daemon has no replication of it (not committed,
         or the daemon restarted since: commit again)."""
@@ -751,8 +849,9 @@ class DaemonClient:
 
     # -- retrieval ----------------------------------------------------------------------------
 
-    def fetch(self, iteration: int, owner: int, from_node: Optional[int] = None, *,
-              timeout: Optional[float] = None) -> FetchResult:
+    def fetch(
+        self, iteration: int, owner: int, from_node: Optional[int] = None, *, timeout: Optional[float] = None
+    ) -> FetchResult:
         """Have the daemon bring ``(iteration, owner)`` into this node's store (from
         ``from_node``, else any peer holding it) and return when it is published there; then
         read it locally. Idempotent; NoReplicaError (DaemonNotFoundError) if nobody has it."""
@@ -761,8 +860,13 @@ class DaemonClient:
             body["from_node"] = from_node
         timeout = max(self.timeout_s, timeout or 0.0)
         result = self._call(MessageType.FETCH, body, timeout_s=timeout).body.get("result", {})
-        return FetchResult(iteration, owner, bool(result.get("already", False)), result.get("source_node"),
-                           int(result.get("total_bytes", 0)))
+        return FetchResult(
+            iteration,
+            owner,
+            bool(result.get("already", False)),
+            result.get("source_node"),
+            int(result.get("total_bytes", 0)),
+        )
 
     def wait_recovered(self, timeout: float = 300.0) -> Dict[str, Any]:
         """Wait for a daemon started with ``--recover`` to finish pulling its node's ranks;
@@ -773,8 +877,10 @@ class DaemonClient:
             if rec.get("state") in ("done", "nothing"):
                 return rec
             if rec.get("state") == "failed":
-                raise ReplicationError(f"daemon {self.endpoint} could not recover session "
-                                       f"{rec.get('session')!r}: {rec.get('error')}")
+                raise ReplicationError(
+                    f"daemon {self.endpoint} could not recover session "
+                    f"{rec.get('session')!r}: {rec.get('error')}"
+                )
             if not rec:
                 raise ReplicationError(
                     f"daemon {self.endpoint} is not recovering anything; start it with --recover "

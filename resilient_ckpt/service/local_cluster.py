@@ -48,9 +48,23 @@ class LocalDaemonCluster:
     def spawn(self, node: int, *extra: str) -> None:
         self.roots[node].mkdir(parents=True, exist_ok=True)
         peers = ",".join(f"{n}={e}" for n, e in enumerate(self.endpoints) if n != node)
-        cmd = [sys.executable, "-m", "resilient_ckpt.service.daemon", "--store-root", str(self.roots[node]),
-               "--bind", self.endpoints[node], "--node-id", str(node), "--secret-file", str(self.secret_file),
-               "--log-format", "json", *(["--peers", peers] if peers else []), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "resilient_ckpt.service.daemon",
+            "--store-root",
+            str(self.roots[node]),
+            "--bind",
+            self.endpoints[node],
+            "--node-id",
+            str(node),
+            "--secret-file",
+            str(self.secret_file),
+            "--log-format",
+            "json",
+            *(["--peers", peers] if peers else []),
+            *extra,
+        ]
         log = open(self.workdir / f"daemon-{self.session}-{node}.log", "a")
         self.procs[node] = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONWARNINGS": "ignore"}

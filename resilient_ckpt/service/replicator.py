@@ -16,7 +16,7 @@ from typing import Optional
 from ..errors import ReplicationError, StoreError
 from ..memory.store import CheckpointHeader, CheckpointStore, Segment
 from ..replication.peer import ReplicationResult
-from .client import DaemonClient, ReplicationState, raise_unless_replicating, header_digest
+from .client import DaemonClient, ReplicationState, header_digest, raise_unless_replicating
 
 #: Longest single long-poll; the loop re-commits (idempotent) until the overall deadline, which
 #: also re-arms replication if the daemon restarted meanwhile.
@@ -33,7 +33,9 @@ class ServiceReplicator:
         timeout_s: how long ``replicate`` waits for every holder (default: the client's timeout).
     """
 
-    def __init__(self, client: DaemonClient, store: CheckpointStore, rank: int, timeout_s: Optional[float] = None):
+    def __init__(
+        self, client: DaemonClient, store: CheckpointStore, rank: int, timeout_s: Optional[float] = None
+    ):
         if store.session != client.session:
             raise ReplicationError(
                 f"the store serves session {store.session!r} but the daemon client session {client.session!r}; "
@@ -56,13 +58,19 @@ class ServiceReplicator:
         try:
             raw = self.store.header_path(cid).read_bytes()  # the exact published bytes
         except FileNotFoundError:
-            raise StoreError(f"{cid.stem()} is not published in {self.store.dir}: publish before replicating") from None
+            raise StoreError(
+                f"{cid.stem()} is not published in {self.store.dir}: publish before replicating"
+            ) from None
         digest = header_digest(raw)
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining = deadline - time.monotonic()
             state = self.client.commit(
-                cid.iteration, cid.owner, header.world_size, digest, total_bytes=header.data_nbytes,
+                cid.iteration,
+                cid.owner,
+                header.world_size,
+                digest,
+                total_bytes=header.data_nbytes,
                 wait_s=max(0.001, min(_POLL_S, remaining)),
             )
             self.last_state = state

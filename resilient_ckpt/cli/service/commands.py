@@ -54,8 +54,11 @@ def ls_main(argv: Optional[List[str]] = None) -> int:
     )
     add_target(p, "ask the node's daemon at this ZeroMQ endpoint, e.g. tcp://127.0.0.1:7465")
     p.add_argument("--session", help="only this session")
-    p.add_argument("--peers", action="store_true", help="with a daemon: also show which node holds each rank, "
-                   "across every reachable daemon of the job")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="with a daemon: also show which node holds each rank, across every reachable daemon of the job",
+    )
     args = p.parse_args(argv)
     kind, where = target(args)
     if kind == "daemon":
@@ -106,7 +109,9 @@ def drop_main(argv: Optional[List[str]] = None) -> int:
     if not confirm(question, args.yes):
         return fail("nothing was dropped")
     try:
-        res = drop_session(where, s.session) if args.all else drop_iterations(where, s.session, args.iteration)
+        res = (
+            drop_session(where, s.session) if args.all else drop_iterations(where, s.session, args.iteration)
+        )
     except CheckpointingException as e:
         return fail(str(e))
     except OSError as e:
@@ -114,7 +119,11 @@ def drop_main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         print_json(res.as_json())
     else:
-        what_ = "session" if res.whole_session else f"iteration(s) {ranges(sorted({i for i, _ in res.dropped}))} of session"
+        what_ = (
+            "session"
+            if res.whole_session
+            else f"iteration(s) {ranges(sorted({i for i, _ in res.dropped}))} of session"
+        )
         console().print(
             f"dropped {what_} {res.session!r}: {len(res.dropped)} checkpoint(s), "
             f"{human_bytes(res.released_bytes)} released"
@@ -146,9 +155,8 @@ def _drop_question(s: SessionSummary, args: argparse.Namespace, where: str) -> s
     latest = s.newest_complete
     if latest is not None and latest in {c.iteration for c in chosen}:
         older = [it.iteration for it in s.iterations if it.complete and it.iteration < latest]
-        question += (
-            f" Iteration {latest} is the newest complete one here; a restart would fall back to "
-            + (f"iteration {max(older)}." if older else "nothing held on this node.")
+        question += f" Iteration {latest} is the newest complete one here; a restart would fall back to " + (
+            f"iteration {max(older)}." if older else "nothing held on this node."
         )
     return question
 
@@ -165,7 +173,9 @@ def derive_secret(cluster_key: bytes, label: str) -> bytes:
     """
     if not label:
         raise StoreError("derive_secret needs a non-empty label (the job id)")
-    mac = hmac.new(bytes(cluster_key), b"resilient-ckpt job secret\x00" + label.encode("utf-8"), hashlib.sha256)
+    mac = hmac.new(
+        bytes(cluster_key), b"resilient-ckpt job secret\x00" + label.encode("utf-8"), hashlib.sha256
+    )
     return mac.hexdigest().encode("ascii")
 
 
@@ -178,14 +188,20 @@ def secret_main(argv: Optional[List[str]] = None) -> int:
     )
     p.add_argument("file")
     p.add_argument("--force", action="store_true", help="replace an existing file (rotation)")
-    p.add_argument("--derive-from", metavar="KEY_FILE", help="derive the secret from this cluster key (a 0600 "
-                   "file, the same on every node) and --label, instead of drawing a random one")
+    p.add_argument(
+        "--derive-from",
+        metavar="KEY_FILE",
+        help="derive the secret from this cluster key (a 0600 "
+        "file, the same on every node) and --label, instead of drawing a random one",
+    )
     p.add_argument("--label", help="what the derived secret is for, e.g. the job id (needs --derive-from)")
     args = p.parse_args(argv)
     if bool(args.derive_from) != bool(args.label):
         p.error("--derive-from and --label go together")
     if os.path.exists(args.file) and not args.force:
-        return fail(f"{args.file} exists; pass --force to replace it (every daemon and trainer must then reload)")
+        return fail(
+            f"{args.file} exists; pass --force to replace it (every daemon and trainer must then reload)"
+        )
     try:
         secret = derive_secret(load_secret(args.derive_from), args.label) if args.derive_from else None
         write_secret_file(args.file, secret)
@@ -198,7 +214,6 @@ def secret_main(argv: Optional[List[str]] = None) -> int:
     return EXIT_OK
 
 
-
 # ---- status -----------------------------------------------------------------------------------------
 
 
@@ -208,10 +223,16 @@ def status_main(argv: Optional[List[str]] = None) -> int:
         description="Show a node daemon's health. Exit 0 when it answered (usable as a liveness "
         "probe), 2 when it did not.",
     )
-    p.add_argument("--endpoint", default=os.environ.get(ENDPOINT_ENV), help="the daemon's ZeroMQ endpoint, e.g. "
-                   f"tcp://127.0.0.1:7465 (default ${ENDPOINT_ENV})")
-    p.add_argument("--session", default=ANY_SESSION, help="a session the daemon serves (only needed when it "
-                   "was started with --session)")
+    p.add_argument(
+        "--endpoint",
+        default=os.environ.get(ENDPOINT_ENV),
+        help=f"the daemon's ZeroMQ endpoint, e.g. tcp://127.0.0.1:7465 (default ${ENDPOINT_ENV})",
+    )
+    p.add_argument(
+        "--session",
+        default=ANY_SESSION,
+        help="a session the daemon serves (only needed when it was started with --session)",
+    )
     add_daemon_options(p)
     args = p.parse_args(argv)
     if not args.endpoint:
@@ -230,12 +251,12 @@ def status_main(argv: Optional[List[str]] = None) -> int:
     return EXIT_OK
 
 
-
-
 # ---- ls / drop through a daemon --------------------------------------------------------------------
 
 
-def _summary_from_holdings(session: str, holdings, node: Optional[int], usage: Mapping[str, Any]) -> SessionSummary:
+def _summary_from_holdings(
+    session: str, holdings, node: Optional[int], usage: Mapping[str, Any]
+) -> SessionSummary:
     """A SessionSummary of the holdings one node has (``node``; None: every holding given)."""
     by_iter: Dict[int, list] = {}
     for h in holdings:
@@ -246,9 +267,19 @@ def _summary_from_holdings(session: str, holdings, node: Optional[int], usage: M
         hs = by_iter[it]
         sizes = sorted({h.world_size for h in hs})
         main = max(sizes, key=lambda w: sum(h.world_size == w for h in hs))
-        its.append(IterationSummary(it, main, tuple(sorted({h.owner for h in hs})), sum(h.total_bytes for h in hs), 0,
-                                    tuple(w for w in sizes if w != main)))
-    return SessionSummary(session, tuple(its), int(usage.get("data_bytes", 0)), int(usage.get("free_pool_bytes", 0)))
+        its.append(
+            IterationSummary(
+                it,
+                main,
+                tuple(sorted({h.owner for h in hs})),
+                sum(h.total_bytes for h in hs),
+                0,
+                tuple(w for w in sizes if w != main),
+            )
+        )
+    return SessionSummary(
+        session, tuple(its), int(usage.get("data_bytes", 0)), int(usage.get("free_pool_bytes", 0))
+    )
 
 
 #: One session as ``ls`` through a daemon shows it: this node's summary, and with ``--peers``
@@ -275,9 +306,14 @@ def _ls_daemon(args: argparse.Namespace, endpoint: str) -> int:
         print_json(doc)
         return EXIT_OK
     con = console()
-    con.print(f"daemon node {node} at {endpoint}" + (
-        f"; filesystem {human_bytes(fs['total_bytes'] - fs['free_bytes'])} used of {human_bytes(fs['total_bytes'])}"
-        if fs else ""))
+    con.print(
+        f"daemon node {node} at {endpoint}"
+        + (
+            f"; filesystem {human_bytes(fs['total_bytes'] - fs['free_bytes'])} used of {human_bytes(fs['total_bytes'])}"
+            if fs
+            else ""
+        )
+    )
     scan = StoreScan(str((st.get("store") or {}).get("root")), 0, 0, tuple(s for s, _ in sessions))
     render_sessions(scan)
     for summary, job in sessions:
@@ -286,7 +322,9 @@ def _ls_daemon(args: argparse.Namespace, endpoint: str) -> int:
     return EXIT_OK
 
 
-def _daemon_sessions(args: argparse.Namespace, endpoint: str) -> Tuple[Mapping[str, Any], List[_DaemonSession]]:
+def _daemon_sessions(
+    args: argparse.Namespace, endpoint: str
+) -> Tuple[Mapping[str, Any], List[_DaemonSession]]:
     """The daemon's STATUS and, for each session asked about (or held), what ``ls`` shows."""
     with client(endpoint, args.session or ANY_SESSION, args) as c:
         st = c.status()
@@ -296,8 +334,11 @@ def _daemon_sessions(args: argparse.Namespace, endpoint: str) -> Tuple[Mapping[s
     if args.peers and not args.session:
         names = sorted(set(names) | _peer_sessions(st, args))
     if args.session and args.session not in usage and not args.peers:
-        raise CommandExit(EXIT_PROBLEM, f"the daemon at {endpoint} (node {node}) holds no session "
-                          f"{args.session!r}" + (f" (it holds: {', '.join(sorted(usage))})" if usage else ""))
+        raise CommandExit(
+            EXIT_PROBLEM,
+            f"the daemon at {endpoint} (node {node}) holds no session "
+            f"{args.session!r}" + (f" (it holds: {', '.join(sorted(usage))})" if usage else ""),
+        )
     sessions = []
     for name in names:
         with client(endpoint, name, args) as c:
@@ -358,10 +399,17 @@ def _drop_daemon(args: argparse.Namespace, endpoint: str) -> int:
             with client(endpoint, args.session, args) as c:
                 holdings = c.list()
                 if not holdings:
-                    raise CommandExit(EXIT_PROBLEM, f"the daemon at {endpoint} holds nothing of session "
-                                f"{args.session!r}; nothing was dropped")
-                question = _drop_question(_summary_from_holdings(args.session, holdings, None, {}), args, endpoint)
-                ids = [(h.iteration, h.owner) for h in holdings if args.all or h.iteration in set(args.iteration)]
+                    raise CommandExit(
+                        EXIT_PROBLEM,
+                        f"the daemon at {endpoint} holds nothing of session "
+                        f"{args.session!r}; nothing was dropped",
+                    )
+                question = _drop_question(
+                    _summary_from_holdings(args.session, holdings, None, {}), args, endpoint
+                )
+                ids = [
+                    (h.iteration, h.owner) for h in holdings if args.all or h.iteration in set(args.iteration)
+                ]
                 if not confirm(question, args.yes):
                     raise CommandExit(EXIT_PROBLEM, "nothing was dropped")
                 dropped = c.drop(ids)
@@ -379,4 +427,3 @@ def _drop_daemon(args: argparse.Namespace, endpoint: str) -> int:
             f"({human_bytes(res.released_bytes)})"
         )
     return EXIT_OK
-

@@ -68,13 +68,14 @@ def print_json(doc: Dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc, indent=1, sort_keys=False) + "\n")
 
 
-
 # ---- argument plumbing shared by the commands -------------------------------------------------------
 
 
 def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", help="the job secret for a daemon (default $RESILIENT_CKPT_SECRET_FILE)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a daemon's answer (default 5)")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for a daemon's answer (default 5)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON document on stdout, for scripts")
 
 
@@ -117,7 +118,6 @@ def confirm(question: str, assume_yes: bool) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
-
 # ---- talking to a daemon --------------------------------------------------------------------------
 
 
@@ -142,9 +142,12 @@ def daemon_errors(endpoint: str, timeout: float):
             "or it does not use this job's secret (it drops messages it cannot authenticate without "
             "answering). Check the daemon (systemctl status resilient-ckpt, kubectl logs, the Slurm "
             f"prolog log), the endpoint, and --secret-file ({type(e).__name__})"
-            + ("" if skew is None else
-               f". Also, an answer came back timestamped {skew:+.1f} s from this host's clock: synchronise "
-               "clocks (NTP/chrony), a skew beyond the replay window makes each side drop the other's messages"),
+            + (
+                ""
+                if skew is None
+                else f". Also, an answer came back timestamped {skew:+.1f} s from this host's clock: synchronise "
+                "clocks (NTP/chrony), a skew beyond the replay window makes each side drop the other's messages"
+            ),
         ) from None
     except ProtocolConfigError as e:  # no or unusable secret, bad endpoint
         raise CommandExit(EXIT_USAGE, str(e)) from None
@@ -159,7 +162,9 @@ def daemon_errors(endpoint: str, timeout: float):
 
 def client(endpoint: str, session: str, args: argparse.Namespace) -> DaemonClient:
     # Operator commands ask once: a retry would only double the wait for an absent daemon.
-    return DaemonClient(endpoint, session, authenticator_from_env(args.secret_file), timeout_s=args.timeout, retries=0)
+    return DaemonClient(
+        endpoint, session, authenticator_from_env(args.secret_file), timeout_s=args.timeout, retries=0
+    )
 
 
 #: DaemonClient needs a session; STATUS does not look at it. Any plain name passes the
@@ -192,4 +197,3 @@ def duration(seconds: Optional[float]) -> str:
     m, s = divmod(s, 60)
     parts = [f"{d}d"] * bool(d) + [f"{h}h"] * bool(h) + [f"{m}m"] * bool(m)
     return " ".join(parts + [f"{s}s"]) if not d else " ".join(parts)
-

@@ -49,12 +49,18 @@ def _parser() -> argparse.ArgumentParser:
         "this node's ranks of the newest iteration complete across the job (a replacement node, before "
         "its trainers start).",
     )
-    p.add_argument("--endpoint", default=os.environ.get(ENDPOINT_ENV), help=f"the node daemon (default ${ENDPOINT_ENV})")
+    p.add_argument(
+        "--endpoint", default=os.environ.get(ENDPOINT_ENV), help=f"the node daemon (default ${ENDPOINT_ENV})"
+    )
     p.add_argument("--session", required=True, help="the job's session id")
     p.add_argument("--iteration", type=int, help="pull this iteration (with --owner) instead of the plan")
-    p.add_argument("--owner", type=int, action="append", help="owner rank to pull (repeatable; needs --iteration)")
+    p.add_argument(
+        "--owner", type=int, action="append", help="owner rank to pull (repeatable; needs --iteration)"
+    )
     p.add_argument("--from-node", type=int, help="pull from this node's daemon (default: any holder)")
-    p.add_argument("--transfer-timeout", type=float, default=600.0, help="seconds one checkpoint may take (default 600)")
+    p.add_argument(
+        "--transfer-timeout", type=float, default=600.0, help="seconds one checkpoint may take (default 600)"
+    )
     add_daemon_options(p)
     return p
 
@@ -98,21 +104,38 @@ def _what_to_pull(args: argparse.Namespace, node: int, everywhere) -> Optional[T
 
 
 def _nothing_to_pull(args: argparse.Namespace) -> int:
-    print(f"nothing to pull: no iteration of session {args.session!r} is complete on the "
-          "reachable daemons (a fresh job, or more nodes lost than replicas)", file=sys.stderr)
+    print(
+        f"nothing to pull: no iteration of session {args.session!r} is complete on the "
+        "reachable daemons (a fresh job, or more nodes lost than replicas)",
+        file=sys.stderr,
+    )
     if args.json:
         print_json({"format": JSON_FORMAT, "session": args.session, "iteration": None, "pulled": []})
     return EXIT_OK
 
 
-def _report(args: argparse.Namespace, node: int, iteration: int, pulled: List[FetchResult], seconds: float) -> None:
+def _report(
+    args: argparse.Namespace, node: int, iteration: int, pulled: List[FetchResult], seconds: float
+) -> None:
     total = sum(r.total_bytes for r in pulled if not r.already)
     if args.json:
-        print_json({
-            "format": JSON_FORMAT, "session": args.session, "iteration": iteration, "seconds": round(seconds, 3),
-            "pulled": [{"owner": r.owner, "source_node": r.source_node, "already": r.already,
-                        "total_bytes": r.total_bytes} for r in pulled],
-        })
+        print_json(
+            {
+                "format": JSON_FORMAT,
+                "session": args.session,
+                "iteration": iteration,
+                "seconds": round(seconds, 3),
+                "pulled": [
+                    {
+                        "owner": r.owner,
+                        "source_node": r.source_node,
+                        "already": r.already,
+                        "total_bytes": r.total_bytes,
+                    }
+                    for r in pulled
+                ],
+            }
+        )
     else:
         console().print(
             f"node {node} now holds ranks {ranges([r.owner for r in pulled]) if pulled else '-'} of iteration "
@@ -140,18 +163,28 @@ def _bytes_arriving(poller: DaemonClient, args: argparse.Namespace, iteration: i
         inbound = poller.status().get("inbound") or []
     except CheckpointingException:
         inbound = []
-    return sum(int(t.get("received") or 0) for t in inbound
-               if t.get("session") == args.session and t.get("iteration") == iteration and t.get("owner") == owner)
+    return sum(
+        int(t.get("received") or 0)
+        for t in inbound
+        if t.get("session") == args.session and t.get("iteration") == iteration and t.get("owner") == owner
+    )
 
 
-def _pull_with_progress(args: argparse.Namespace, iteration: int, sources: Sources, sizes: Mapping[int, int]) -> list:
+def _pull_with_progress(
+    args: argparse.Namespace, iteration: int, sources: Sources, sizes: Mapping[int, int]
+) -> list:
     """Fetch each owner (trying its holder nodes in order) in a worker thread, polling the
     daemon's in-flight transfers for a byte-level progress bar when a person is watching."""
     err = console(stderr=True)
     show = err.is_terminal and not args.json
     results = []
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-               TransferSpeedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=err, disable=not show) as prog, ThreadPoolExecutor(1) as pool:
         total = sum(sizes.get(o, 0) for o, _ in sources)
         task = prog.add_task(f"iteration {iteration}", total=total or None)

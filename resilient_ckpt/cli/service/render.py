@@ -105,9 +105,12 @@ def render_status(endpoint: str, st: Mapping[str, Any], fs: Optional[Mapping[str
     )
     counters = st.get("counters") or {}
     if counters:
-        con.print("counters: " + ", ".join(
-            f"{k} {human_bytes(v) if k.startswith('bytes') else v}" for k, v in sorted(counters.items())
-        ))
+        con.print(
+            "counters: "
+            + ", ".join(
+                f"{k} {human_bytes(v) if k.startswith('bytes') else v}" for k, v in sorted(counters.items())
+            )
+        )
 
 
 def _store_line(store: Mapping[str, Any]) -> str:
@@ -124,10 +127,20 @@ def _print_sessions(con: Console, sessions: List[Dict[str, Any]]) -> None:
     if not sessions:
         return
     t = Table(title="sessions", title_justify="left", show_edge=False, pad_edge=False)
-    for col, just in (("session", "left"), ("checkpoints", "right"), ("data", "right"), ("reusable", "right")):
+    for col, just in (
+        ("session", "left"),
+        ("checkpoints", "right"),
+        ("data", "right"),
+        ("reusable", "right"),
+    ):
         t.add_column(col, justify=just, no_wrap=True)
     for s in sessions:
-        t.add_row(s["session"], str(s["checkpoints"]), human_bytes(s["data_bytes"]), human_bytes(s["free_pool_bytes"]))
+        t.add_row(
+            s["session"],
+            str(s["checkpoints"]),
+            human_bytes(s["data_bytes"]),
+            human_bytes(s["free_pool_bytes"]),
+        )
     con.print(t)
 
 
@@ -142,7 +155,8 @@ def _print_peers(con: Console, peers: List[Dict[str, Any]]) -> None:
     for x in peers:
         r = x.get("reachable")
         t.add_row(
-            str(x.get("node")), x.get("endpoint") or "-",
+            str(x.get("node")),
+            x.get("endpoint") or "-",
             "not checked yet" if r is None else ("yes" if r else "[red]no[/red]"),
             "-" if x.get("last_seen_s") is None else f"{duration(x['last_seen_s'])} ago",
             x.get("error") or "",
@@ -151,7 +165,9 @@ def _print_peers(con: Console, peers: List[Dict[str, Any]]) -> None:
 
 
 def _print_in_flight(con: Console, st: Mapping[str, Any]) -> None:
-    repl, inbound, serving, pulling = (st.get(k) or [] for k in ("replicating", "inbound", "serving", "pulling"))
+    repl, inbound, serving, pulling = (
+        st.get(k) or [] for k in ("replicating", "inbound", "serving", "pulling")
+    )
     con.print(
         f"in flight: {len(repl)} replication(s) out, {len(inbound)} transfer(s) in, {len(serving)} fetch(es) "
         f"served, {len(pulling)} pull(s); {st.get('replications_failed', 0)} failed replication(s) on record"
@@ -162,9 +178,13 @@ def _print_in_flight(con: Console, st: Mapping[str, Any]) -> None:
             t.add_column(col, no_wrap=True)
         for r in repl:
             t.add_row(
-                str(r.get("session")), str(r.get("iteration")), str(r.get("owner")),
-                ranges(r.get("holders") or []), ranges(r.get("acked") or []),
-                human_bytes(int(r.get("bytes_out") or 0)), f"{float(r.get('seconds') or 0):.1f}",
+                str(r.get("session")),
+                str(r.get("iteration")),
+                str(r.get("owner")),
+                ranges(r.get("holders") or []),
+                ranges(r.get("acked") or []),
+                human_bytes(int(r.get("bytes_out") or 0)),
+                f"{float(r.get('seconds') or 0):.1f}",
             )
         con.print(t)
     for t_ in inbound:
@@ -178,7 +198,11 @@ def _recovery_line(rec: Mapping[str, Any]) -> str:
     extra = rec.get("error") or rec.get("note") or ""
     return (
         f"recovery of session {rec.get('session')!r}: {rec.get('state')}"
-        + (f" (iteration {rec['iteration']}, ranks {ranges(rec.get('owners') or [])})" if "iteration" in rec else "")
+        + (
+            f" (iteration {rec['iteration']}, ranks {ranges(rec.get('owners') or [])})"
+            if "iteration" in rec
+            else ""
+        )
         + (f" after {rec['seconds']} s" if "seconds" in rec else "")
         + (f": {extra}" if extra else "")
     )

@@ -232,4 +232,3 @@ def drop_session(root: str | os.PathLike, session: str) -> DropResult:
     released = store.usage()["total_bytes"]
     store.destroy()
     return DropResult(session, tuple((c.iteration, c.owner) for c in ids), released, whole_session=True)
-

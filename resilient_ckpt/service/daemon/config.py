@@ -73,19 +73,25 @@ class DaemonConfig:
             raise ProtocolConfigError(f"node id {self.node_id!r} must be an int >= 0", fix="pass --node-id N")
         for name in ("chunk_bytes", "credit_bytes"):
             if getattr(self, name) < 1:
-                raise ProtocolConfigError(f"{name} must be >= 1", fix=f"pass a positive --{name.replace('_', '-')}")
+                raise ProtocolConfigError(
+                    f"{name} must be >= 1", fix=f"pass a positive --{name.replace('_', '-')}"
+                )
         if self.chunk_bytes > self.limits.max_frame_bytes:
             raise ProtocolConfigError(
                 f"chunk_bytes {self.chunk_bytes} exceeds the frame limit {self.limits.max_frame_bytes}",
                 fix="lower --chunk-bytes",
             )
         if self.keep_last is not None and self.keep_last < 1:
-            raise ProtocolConfigError(f"keep_last {self.keep_last} must be >= 1", fix="pass --keep-last 1 or more")
+            raise ProtocolConfigError(
+                f"keep_last {self.keep_last} must be >= 1", fix="pass --keep-last 1 or more"
+            )
         if self.memory_budget is not None and self.memory_budget < 0:
             raise ProtocolConfigError("memory budget must be >= 0", fix="pass --memory-budget 64G")
         unknown = set(self.faults) - FAULT_NAMES
         if unknown:
-            raise ProtocolConfigError(f"unknown fault points {sorted(unknown)}", fix=f"use {sorted(FAULT_NAMES)}")
+            raise ProtocolConfigError(
+                f"unknown fault points {sorted(unknown)}", fix=f"use {sorted(FAULT_NAMES)}"
+            )
         for n, ep in self.peers.items():
             _check_endpoint(ep, f"peer {n}")
         _check_endpoint(self.bind, "--bind")
@@ -93,13 +99,29 @@ class DaemonConfig:
 
 def _check_endpoint(ep: str, what: str) -> None:
     if not isinstance(ep, str) or not re.match(r"^(tcp|ipc|inproc)://\S+$", ep):
-        raise ProtocolConfigError(f"{what} endpoint {ep!r} is not a ZeroMQ endpoint", fix="use tcp://HOST:PORT")
+        raise ProtocolConfigError(
+            f"{what} endpoint {ep!r} is not a ZeroMQ endpoint", fix="use tcp://HOST:PORT"
+        )
 
 
 # --------------------------------------------------------------------------- value parsers
 
-_SUFFIXES = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-             "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+_SUFFIXES = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+    "T": 1 << 40,
+    "TB": 1 << 40,
+    "TIB": 1 << 40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -163,8 +185,10 @@ def parse_faults(text: Optional[str]) -> Dict[str, int]:
     for item in filter(None, (s.strip() for s in (text or "").split(","))):
         name, _, value = item.partition("=")
         if name not in FAULT_NAMES or not value.isdigit():
-            raise ProtocolConfigError(f"{FAULTS_ENV} entry {item!r} is invalid",
-                                      fix=f"use NAME=INT with NAME in {sorted(FAULT_NAMES)}")
+            raise ProtocolConfigError(
+                f"{FAULTS_ENV} entry {item!r} is invalid",
+                fix=f"use NAME=INT with NAME in {sorted(FAULT_NAMES)}",
+            )
         out[name] = int(value)
     return out
 

@@ -46,7 +46,6 @@ from .stores import Stores
 Key = Tuple[str, int, int]  # (session, iteration, owner)
 
 
-
 def daemon_version() -> str:
     """The running resilient_ckpt's version (HELLO_OK, STATUS, the log)."""
     return __version__
@@ -180,15 +179,30 @@ class DaemonContext:
     def log_reject(self, exc: ProtocolError, peer: Optional[str]) -> None:
         ok, suppressed = self.log_limit.allow(exc.reason)
         if ok:
-            self.event(logging.WARNING, "message_rejected", reason=exc.reason, peer=exc.peer or peer,
-                       error=str(exc), suppressed_since_last=suppressed or None)
+            self.event(
+                logging.WARNING,
+                "message_rejected",
+                reason=exc.reason,
+                peer=exc.peer or peer,
+                error=str(exc),
+                suppressed_since_last=suppressed or None,
+            )
 
     def rpc(self, endpoint: str, *, data: bool = False) -> Rpc:
         """A channel to a peer daemon (``data``: sized socket buffers for checkpoint bytes)."""
         assert self.zmq_context is not None
-        return Rpc(endpoint, self.auth, sender=self.name, role="daemon", context=self.zmq_context,
-                   limits=self.limits, replay_guard=self.peer_guard, hello_extra={"node": self.node_id},
-                   cancel=self.stopping, sockopts=DATA_SOCKOPTS if data else None)
+        return Rpc(
+            endpoint,
+            self.auth,
+            sender=self.name,
+            role="daemon",
+            context=self.zmq_context,
+            limits=self.limits,
+            replay_guard=self.peer_guard,
+            hello_extra={"node": self.node_id},
+            cancel=self.stopping,
+            sockopts=DATA_SOCKOPTS if data else None,
+        )
 
     def refresh_usage(self) -> Dict[str, Dict[str, int]]:
         """The stores' usage per session; updates the (bytes, checkpoints) the metrics read."""
@@ -222,8 +236,14 @@ class Replier:
                 ctx.event(logging.INFO, "reply_dropped", peer=msg.sender, type=msg.type.name, reason=e.reason)
             return False
 
-    def reply(self, rid: bytes, request: Message, mtype: MessageType, body: Mapping[str, Any],
-              frames: Sequence[Any] = ()) -> bool:
+    def reply(
+        self,
+        rid: bytes,
+        request: Message,
+        mtype: MessageType,
+        body: Mapping[str, Any],
+        frames: Sequence[Any] = (),
+    ) -> bool:
         return self.send(rid, request.reply(mtype, sender=self.ctx.name, body=body, frames=frames))
 
     def ok(self, rid: bytes, request: Message, result: Optional[Mapping[str, Any]] = None) -> bool:
@@ -232,14 +252,24 @@ class Replier:
             body["result"] = dict(result)
         return self.reply(rid, request, MessageType.OK, body)
 
-    def error(self, rid: bytes, request: Message, code: ErrorCode, text: str, *, retryable: bool = False) -> None:
+    def error(
+        self, rid: bytes, request: Message, code: ErrorCode, text: str, *, retryable: bool = False
+    ) -> None:
         ctx = self.ctx
         ok, suppressed = ctx.log_limit.allow(f"request_failed:{code.value}")
         if ok:
-            ctx.event(logging.WARNING, "request_failed", peer=request.sender, op=request.type.name,
-                      code=code.value, session=request.session, iteration=request.body.get("iteration"),
-                      owner=request.body.get("owner_rank"), reason=text[:500],
-                      suppressed_since_last=suppressed or None)
+            ctx.event(
+                logging.WARNING,
+                "request_failed",
+                peer=request.sender,
+                op=request.type.name,
+                code=code.value,
+                session=request.session,
+                iteration=request.body.get("iteration"),
+                owner=request.body.get("owner_rank"),
+                reason=text[:500],
+                suppressed_since_last=suppressed or None,
+            )
         body = error_body(code, text, op=int(request.type))
         if retryable:
             body["retryable"] = True

@@ -131,16 +131,24 @@ class Daemon:
         self.guard = ReplayGuard(not_before_ns=self.started_ns)
         self.peer_guard = ReplayGuard()
         self.stores = Stores(config.store_root, config.node_id)
-        self.peers = PeerDirectory(config.node_id, config.peers, config.discover, config.discover_master,
-                                   config.peer_timeout_s)
+        self.peers = PeerDirectory(
+            config.node_id, config.peers, config.discover, config.discover_master, config.peer_timeout_s
+        )
         ledger = Ledger()
         self.metrics = Metrics(lambda: ledger.usage, ledger.peers_up, self.rejects)
         self.metrics_port: Optional[int] = None
         self.endpoint: Optional[str] = None
         self._mailbox = _Mailbox()
         self.ctx = DaemonContext(
-            config=config, auth=authenticator, stores=self.stores, peers=self.peers, ledger=ledger,
-            metrics=self.metrics, rejects=self.rejects, peer_guard=self.peer_guard, post=self._mailbox.post,
+            config=config,
+            auth=authenticator,
+            stores=self.stores,
+            peers=self.peers,
+            ledger=ledger,
+            metrics=self.metrics,
+            rejects=self.rejects,
+            peer_guard=self.peer_guard,
+            post=self._mailbox.post,
             workers=ThreadPoolExecutor(max_workers=4, thread_name_prefix="rc-daemon-work"),
             started_ns=self.started_ns,
         )
@@ -227,9 +235,17 @@ class Daemon:
         if router is None:
             return
         cfg = self.config
-        self.event(logging.INFO, "serving", endpoint=self.endpoint, store_root=str(self.stores.root),
-                   peers=dict(cfg.peers) or None, discover=cfg.discover, metrics_port=self.metrics_port,
-                   pid=os.getpid(), version=daemon_version())
+        self.event(
+            logging.INFO,
+            "serving",
+            endpoint=self.endpoint,
+            store_root=str(self.stores.root),
+            peers=dict(cfg.peers) or None,
+            discover=cfg.discover,
+            metrics_port=self.metrics_port,
+            pid=os.getpid(),
+            version=daemon_version(),
+        )
         self._started.set()
         try:
             self._serve(router)
@@ -262,9 +278,13 @@ class Daemon:
                 self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
             return router
         except BaseException as e:
-            self._start_error = e if isinstance(e, CheckpointingException) else ProtocolConfigError(
-                f"cannot start the daemon on {cfg.bind}: {type(e).__name__}: {e}",
-                fix="check --bind (address in use? interface exists?) and --store-root",
+            self._start_error = (
+                e
+                if isinstance(e, CheckpointingException)
+                else ProtocolConfigError(
+                    f"cannot start the daemon on {cfg.bind}: {type(e).__name__}: {e}",
+                    fix="check --bind (address in use? interface exists?) and --store-root",
+                )
             )
             if router is not None:
                 router.close(linger=0)
@@ -315,16 +335,24 @@ class Daemon:
 
     def _receive_one(self) -> None:
         try:
-            rid, label, frames = recv_raw_from(self._replies.socket, timeout_ms=100, limits=self.limits,
-                                               counters=self.rejects)
+            rid, label, frames = recv_raw_from(
+                self._replies.socket, timeout_ms=100, limits=self.limits, counters=self.rejects
+            )
         except PeerTimeout:
             return
         except ProtocolError as exc:  # over the limits: counted, dropped
             self.ctx.log_reject(exc, None)
             return
         try:
-            msg = decode(frames, self.auth, expected_session=self._sessions, replay_guard=self.guard,
-                         limits=self.limits, counters=self.rejects, peer=label)
+            msg = decode(
+                frames,
+                self.auth,
+                expected_session=self._sessions,
+                replay_guard=self.guard,
+                limits=self.limits,
+                counters=self.rejects,
+                peer=label,
+            )
         except ProtocolError as exc:
             self.ctx.log_reject(exc, label)
             self._answer_refused(rid, frames, exc)
@@ -337,7 +365,9 @@ class Daemon:
         nonce: the original was answered). Out of the window or older than this start:
         answered, never executed; the answer says what this daemon's clock reads, which a
         replayer learns nothing from and a skewed or restarted-upon client needs."""
-        body = rejection_body(exc, node_id=self.node_id, window_ns=self.guard.window_ns, started_ns=self.started_ns)
+        body = rejection_body(
+            exc, node_id=self.node_id, window_ns=self.guard.window_ns, started_ns=self.started_ns
+        )
         if body is None:
             return
         info = authenticated_request_info(frames, self.auth, limits=self.limits)
@@ -345,8 +375,14 @@ class Daemon:
             return
         if info.type_code is not None:
             body["op"] = info.type_code
-        reply = Message(type=MessageType.ERROR, session=info.session, sender=self.name,
-                        req_id=info.req_id, body=body, version=info.version)
+        reply = Message(
+            type=MessageType.ERROR,
+            session=info.session,
+            sender=self.name,
+            req_id=info.req_id,
+            body=body,
+            version=info.version,
+        )
         self._replies.send(rid, reply)
 
     def _handle(self, rid: bytes, label: str, msg: Message) -> None:

@@ -43,7 +43,9 @@ from .stores import ReadOnlyMap
 # --------------------------------------------------------------------------- asking peers
 
 
-def peer_rpc(ctx: DaemonContext, node: int, endpoint: str, rpcs: Optional[Dict[int, Rpc]]) -> Tuple[Rpc, bool]:
+def peer_rpc(
+    ctx: DaemonContext, node: int, endpoint: str, rpcs: Optional[Dict[int, Rpc]]
+) -> Tuple[Rpc, bool]:
     """An RPC channel to a peer: from ``rpcs`` (kept by the calling thread) or a fresh one
     (second value True: the caller closes it)."""
     if rpcs is not None:
@@ -59,8 +61,14 @@ def peer_rpc(ctx: DaemonContext, node: int, endpoint: str, rpcs: Optional[Dict[i
     return rpc, True
 
 
-def gather_peers(ctx: DaemonContext, session: str, *, iteration: Optional[int] = None, owner: Optional[int] = None,
-                 rpcs: Optional[Dict[int, Rpc]] = None) -> Tuple[List[Holding], List[int]]:
+def gather_peers(
+    ctx: DaemonContext,
+    session: str,
+    *,
+    iteration: Optional[int] = None,
+    owner: Optional[int] = None,
+    rpcs: Optional[Dict[int, Rpc]] = None,
+) -> Tuple[List[Holding], List[int]]:
     """Holdings of every peer daemon (each tagged with its node) and the unreachable ones."""
     body: Dict[str, Any] = {}
     if iteration is not None:
@@ -76,7 +84,9 @@ def gather_peers(ctx: DaemonContext, session: str, *, iteration: Optional[int] =
             continue
         rpc, own = peer_rpc(ctx, node, endpoint, rpcs)
         try:
-            reply = rpc.request(MessageType.LIST, session, body, timeout_s=min(ctx.config.peer_timeout_s, 5.0))
+            reply = rpc.request(
+                MessageType.LIST, session, body, timeout_s=min(ctx.config.peer_timeout_s, 5.0)
+            )
             for h in reply.body.get("result", {}).get("holdings", ()):
                 out.append(dataclasses.replace(Holding.from_wire(h), node=node))
         except (ProtocolError, CheckpointingException) as e:
@@ -129,9 +139,16 @@ class FetchStreams:
         cfg, limits = self.ctx.config, self.ctx.limits
         conn = self.conns.get(rid)
         window = (conn.credit_bytes if conn and conn.credit_bytes else None) or cfg.credit_bytes
-        peer_frame = (conn.max_frame_bytes if conn and conn.max_frame_bytes else None) or limits.max_frame_bytes
-        chunk = min(msg.body.get("max_chunk_bytes") or cfg.chunk_bytes, cfg.chunk_bytes, window, peer_frame,
-                    limits.max_frame_bytes)
+        peer_frame = (
+            conn.max_frame_bytes if conn and conn.max_frame_bytes else None
+        ) or limits.max_frame_bytes
+        chunk = min(
+            msg.body.get("max_chunk_bytes") or cfg.chunk_bytes,
+            cfg.chunk_bytes,
+            window,
+            peer_frame,
+            limits.max_frame_bytes,
+        )
         return window, chunk
 
     def serve(self, rid: bytes, label: str, msg: Message) -> None:
@@ -141,21 +158,42 @@ class FetchStreams:
         store = ctx.stores.get(msg.session)
         raw = ctx.stores.raw_header(store, cid) if store is not None else None
         if raw is None:
-            raise TransferError(ErrorCode.NOT_FOUND, f"this node does not hold {cid.stem()} of session "
-                                f"{msg.session!r}; ask another holder (LIST)")
+            raise TransferError(
+                ErrorCode.NOT_FOUND,
+                f"this node does not hold {cid.stem()} of session {msg.session!r}; ask another holder (LIST)",
+            )
         header = CheckpointHeader.unpack(raw, source=str(store.header_path(cid)))
         window, chunk = self._window_and_chunk(rid, msg)
         old = self.streams.get((rid, msg.req_id))
         if old is not None:
             self.end(old, "restarted by a repeated FETCH")
         mapping = ReadOnlyMap(store.data_path(cid), header.data_nbytes)
-        s = OutStream(rid, msg.req_id, msg.session, key, msg.sender, mapping, raw, chunk,
-                      CreditWindow(window, peer=msg.sender), msg.version)
-        begin = msg.reply(MessageType.REPLICATE_BEGIN, sender=ctx.name, body={
-            "iteration": key[1], "owner_rank": key[2], "world_size": header.world_size,
-            "total_bytes": header.data_nbytes, "chunk_bytes": chunk, "num_chunks": s.num_chunks,
-            "header_digest": header_digest(raw),
-        }, frames=(raw,))
+        s = OutStream(
+            rid,
+            msg.req_id,
+            msg.session,
+            key,
+            msg.sender,
+            mapping,
+            raw,
+            chunk,
+            CreditWindow(window, peer=msg.sender),
+            msg.version,
+        )
+        begin = msg.reply(
+            MessageType.REPLICATE_BEGIN,
+            sender=ctx.name,
+            body={
+                "iteration": key[1],
+                "owner_rank": key[2],
+                "world_size": header.world_size,
+                "total_bytes": header.data_nbytes,
+                "chunk_bytes": chunk,
+                "num_chunks": s.num_chunks,
+                "header_digest": header_digest(raw),
+            },
+            frames=(raw,),
+        )
         if not self.replies.send(rid, begin):
             mapping.close()
             return
@@ -182,19 +220,40 @@ class FetchStreams:
             if s.window.available < size:
                 return False
             s.window.acquire(size, timeout_s=0)
-            view = s.mapping.view[off:off + size]
-            m = Message(type=MessageType.REPLICATE_CHUNK, session=s.session, sender=self.ctx.name,
-                        req_id=s.req_id, version=s.version, frames=(view,), body={
-                            "iteration": s.key[1], "owner_rank": s.key[2], "index": s.next_index,
-                            "offset": off, "checksum": chunk_checksum(view)})
+            view = s.mapping.view[off : off + size]
+            m = Message(
+                type=MessageType.REPLICATE_CHUNK,
+                session=s.session,
+                sender=self.ctx.name,
+                req_id=s.req_id,
+                version=s.version,
+                frames=(view,),
+                body={
+                    "iteration": s.key[1],
+                    "owner_rank": s.key[2],
+                    "index": s.next_index,
+                    "offset": off,
+                    "checksum": chunk_checksum(view),
+                },
+            )
             s.pending, s.pending_is_end = encode(m, self.ctx.auth, limits=self.ctx.limits), False
             return True
         if not s.end_sent:
-            m = Message(type=MessageType.REPLICATE_END, session=s.session, sender=self.ctx.name,
-                        req_id=s.req_id, version=s.version, frames=(s.raw_header,), body={
-                            "iteration": s.key[1], "owner_rank": s.key[2], "num_chunks": s.num_chunks,
-                            "total_bytes": s.mapping.nbytes,
-                            "header_checksum": xxhash.xxh3_64_intdigest(s.raw_header)})
+            m = Message(
+                type=MessageType.REPLICATE_END,
+                session=s.session,
+                sender=self.ctx.name,
+                req_id=s.req_id,
+                version=s.version,
+                frames=(s.raw_header,),
+                body={
+                    "iteration": s.key[1],
+                    "owner_rank": s.key[2],
+                    "num_chunks": s.num_chunks,
+                    "total_bytes": s.mapping.nbytes,
+                    "header_checksum": xxhash.xxh3_64_intdigest(s.raw_header),
+                },
+            )
             s.pending, s.pending_is_end = encode(m, self.ctx.auth, limits=self.ctx.limits), True
             return True
         self.end(s, None)
@@ -227,11 +286,26 @@ class FetchStreams:
         if error is None:
             ctx.ledger.count(fetches_served=1, bytes_served=s.mapping.nbytes)
             ctx.metrics.fetches.inc()
-            ctx.event(logging.INFO, "fetch_served", peer=s.peer, session=s.key[0], iteration=s.key[1],
-                      owner=s.key[2], bytes=s.mapping.nbytes)
+            ctx.event(
+                logging.INFO,
+                "fetch_served",
+                peer=s.peer,
+                session=s.key[0],
+                iteration=s.key[1],
+                owner=s.key[2],
+                bytes=s.mapping.nbytes,
+            )
         else:
-            ctx.event(logging.WARNING, "fetch_aborted", peer=s.peer, session=s.key[0], iteration=s.key[1],
-                      owner=s.key[2], sent_chunks=s.next_index, reason=error)
+            ctx.event(
+                logging.WARNING,
+                "fetch_aborted",
+                peer=s.peer,
+                session=s.key[0],
+                iteration=s.key[1],
+                owner=s.key[2],
+                sent_chunks=s.next_index,
+                reason=error,
+            )
 
     def on_credit(self, rid: bytes, label: str, msg: Message) -> None:
         s = self.streams.get((rid, msg.req_id))
@@ -257,8 +331,17 @@ class FetchStreams:
         return any(s.pending is not None for s in self.streams.values())
 
     def describe(self) -> List[Dict[str, Any]]:
-        return [{"session": s.key[0], "iteration": s.key[1], "owner": s.key[2], "peer": s.peer,
-                 "sent_chunks": s.next_index, "num_chunks": s.num_chunks} for s in self.streams.values()]
+        return [
+            {
+                "session": s.key[0],
+                "iteration": s.key[1],
+                "owner": s.key[2],
+                "peer": s.peer,
+                "sent_chunks": s.next_index,
+                "num_chunks": s.num_chunks,
+            }
+            for s in self.streams.values()
+        ]
 
     def close(self) -> None:
         for s in list(self.streams.values()):
@@ -301,8 +384,9 @@ class _PullStream:
             self.inbound = None
             return True
         else:
-            raise TransferError(ErrorCode.MALFORMED, f"node {self.node} answered FETCH with "
-                                f"{msg.type.name} out of sequence")
+            raise TransferError(
+                ErrorCode.MALFORMED, f"node {self.node} answered FETCH with {msg.type.name} out of sequence"
+            )
         return False
 
     def _begin(self, msg: Message) -> None:
@@ -312,9 +396,16 @@ class _PullStream:
             self.inbound = None
         store = ctx.stores.get(session, create=True)
         try:
-            self.inbound = Inbound(ctx.stores, store, self.key, msg.body, peer=f"node-{self.node}",
-                                   window=ctx.config.credit_bytes, budget=ctx.config.memory_budget,
-                                   header_frame=msg.frames[0] if msg.frames else None)
+            self.inbound = Inbound(
+                ctx.stores,
+                store,
+                self.key,
+                msg.body,
+                peer=f"node-{self.node}",
+                window=ctx.config.credit_bytes,
+                budget=ctx.config.memory_budget,
+                header_frame=msg.frames[0] if msg.frames else None,
+            )
         except StoreFullError as e:
             self._refuse(e)
             raise
@@ -327,15 +418,24 @@ class _PullStream:
             self._refuse(e)
             raise
         if grant:
-            self.rpc.send(self.rpc.message(MessageType.CREDIT, self.key[0], {"bytes": grant}, req_id=self.req_id),
-                          timeout_s=self.timeout)
+            self.rpc.send(
+                self.rpc.message(MessageType.CREDIT, self.key[0], {"bytes": grant}, req_id=self.req_id),
+                timeout_s=self.timeout,
+            )
 
     def _refuse(self, e: StoreFullError) -> None:
         """Tell the stream's server to stop: this store has no room for it."""
         rpc = self.rpc
         with contextlib.suppress(ProtocolError):
-            rpc.send(rpc.message(MessageType.ERROR, self.key[0], error_body(
-                ErrorCode.STORE_FULL, str(e), op=int(MessageType.FETCH)), req_id=self.req_id), timeout_s=1.0)
+            rpc.send(
+                rpc.message(
+                    MessageType.ERROR,
+                    self.key[0],
+                    error_body(ErrorCode.STORE_FULL, str(e), op=int(MessageType.FETCH)),
+                    req_id=self.req_id,
+                ),
+                timeout_s=1.0,
+            )
 
     def abort(self) -> None:
         if self.inbound is not None:
@@ -359,8 +459,9 @@ class Puller:
         raw = ctx.stores.raw_header(store, cid) if store is not None else None
         if raw is not None:
             total = CheckpointHeader.unpack(raw, source=str(store.header_path(cid))).data_nbytes
-            self.replies.ok(rid, msg, {"stored": True, "already": True, "source_node": ctx.node_id,
-                                       "total_bytes": total})
+            self.replies.ok(
+                rid, msg, {"stored": True, "already": True, "source_node": ctx.node_id, "total_bytes": total}
+            )
             return
         task = self.tasks.get(key)
         if task is not None:
@@ -377,8 +478,11 @@ class Puller:
             return
         except Exception as e:
             logger.exception("pull of %s failed", task.key)
-            self.ctx.post(functools.partial(self._finish, task, None,
-                                            TransferError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")))
+            self.ctx.post(
+                functools.partial(
+                    self._finish, task, None, TransferError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                )
+            )
             return
         self.ctx.post(functools.partial(self._finish, task, result, None))
 
@@ -391,8 +495,11 @@ class Puller:
             everywhere, _ = gather_peers(self.ctx, session, iteration=it, owner=owner)
             candidates = sorted({h.node for h in everywhere if h.node is not None})
         if not candidates:
-            raise TransferError(ErrorCode.NOT_FOUND, f"no reachable peer holds iteration {it} of rank {owner} "
-                                f"(session {session!r}); peers: {self.ctx.peers.nodes()}")
+            raise TransferError(
+                ErrorCode.NOT_FOUND,
+                f"no reachable peer holds iteration {it} of rank {owner} "
+                f"(session {session!r}); peers: {self.ctx.peers.nodes()}",
+            )
         errors = []
         for node in candidates:
             try:
@@ -401,10 +508,15 @@ class Puller:
                 raise TransferError(ErrorCode.STORE_FULL, str(e)) from None
             except (TransferError, ProtocolError, CheckpointingException, OSError) as e:
                 errors.append(f"node {node}: {getattr(e, 'text', None) or e}")
-        raise TransferError(ErrorCode.NOT_FOUND, "could not pull it from any holder: " + "; ".join(errors)[:7000],
-                            retryable=True)
+        raise TransferError(
+            ErrorCode.NOT_FOUND,
+            "could not pull it from any holder: " + "; ".join(errors)[:7000],
+            retryable=True,
+        )
 
-    def _finish(self, task: PullTask, result: Optional[Dict[str, Any]], error: Optional[TransferError]) -> None:
+    def _finish(
+        self, task: PullTask, result: Optional[Dict[str, Any]], error: Optional[TransferError]
+    ) -> None:
         self.tasks.pop(task.key, None)
         for rid, msg in task.waiters:
             if error is None:
@@ -418,7 +530,9 @@ class Puller:
         ctx = self.ctx
         endpoint = ctx.peers.endpoint(node)
         if endpoint is None:
-            raise TransferError(ErrorCode.UNREACHABLE, f"node {node} has no known endpoint (add it to --peers)")
+            raise TransferError(
+                ErrorCode.UNREACHABLE, f"node {node} has no known endpoint (add it to --peers)"
+            )
         rpc = ctx.rpc(endpoint, data=True)
         key = (session, it, owner)
         t0 = time.monotonic()
@@ -435,11 +549,24 @@ class Puller:
         ctx.ledger.count(pulls_ok=1, bytes_in=stream.nbytes)
         ctx.metrics.pulls.labels("ok").inc()
         ctx.metrics.bytes.labels("in").inc(stream.nbytes)
-        ctx.event(logging.INFO, "pulled", peer=f"node-{node}", session=session, iteration=it, owner=owner,
-                  bytes=stream.nbytes, seconds=round(seconds, 4), already=stream.already or None)
+        ctx.event(
+            logging.INFO,
+            "pulled",
+            peer=f"node-{node}",
+            session=session,
+            iteration=it,
+            owner=owner,
+            bytes=stream.nbytes,
+            seconds=round(seconds, 4),
+            already=stream.already or None,
+        )
         ctx.retention_due.set()
-        return {"stored": True, "already": stream.already, "source_node": node,
-                "total_bytes": stream.header.data_nbytes}
+        return {
+            "stored": True,
+            "already": stream.already,
+            "source_node": node,
+            "total_bytes": stream.header.data_nbytes,
+        }
 
     def _receive(self, rpc: Rpc, key: Key, node: int) -> _PullStream:
         """HELLO, FETCH, then the stream until its END was stored (or an error)."""
@@ -449,9 +576,15 @@ class Puller:
         with rpc.lock:
             stream = _PullStream(self.ctx, rpc, key, node, timeout)
             try:
-                rpc.send(rpc.message(MessageType.FETCH, key[0], {
-                    "iteration": key[1], "owner_rank": key[2], "max_chunk_bytes": cfg.chunk_bytes},
-                    req_id=stream.req_id), timeout_s=timeout)
+                rpc.send(
+                    rpc.message(
+                        MessageType.FETCH,
+                        key[0],
+                        {"iteration": key[1], "owner_rank": key[2], "max_chunk_bytes": cfg.chunk_bytes},
+                        req_id=stream.req_id,
+                    ),
+                    timeout_s=timeout,
+                )
                 while not stream.take(rpc.await_reply(stream.req_id, time.monotonic() + timeout)):
                     pass
             except BaseException:

@@ -40,7 +40,9 @@ from .replication import ReplicationTable, holder_nodes
 # --------------------------------------------------------------------------- refused messages
 
 
-def rejection_body(exc: ProtocolError, *, node_id: int, window_ns: int, started_ns: int) -> Optional[Dict[str, Any]]:
+def rejection_body(
+    exc: ProtocolError, *, node_id: int, window_ns: int, started_ns: int
+) -> Optional[Dict[str, Any]]:
     """The ERROR body answering a message refused while decoding, None: not answered."""
     if exc.reason in ("malformed", "version", "unknown_type", "session"):
         return error_body(exc)
@@ -51,15 +53,21 @@ def rejection_body(exc: ProtocolError, *, node_id: int, window_ns: int, started_
             f"clock skew: your timestamp is {exc.skew_s:+.1f} s from the daemon's clock on {where}, outside "
             f"the ±{window_ns / 1e9:g} s replay window; the request was not executed. Fix: "
             "synchronise clocks (NTP/chrony) on this host and on the daemon's node",
-            skew_s=float(exc.skew_s), daemon_time_ns=time.time_ns(), node=node_id)
+            skew_s=float(exc.skew_s),
+            daemon_time_ns=time.time_ns(),
+            node=node_id,
+        )
     if isinstance(exc, PredatesStart):
         return error_body(
             ErrorCode.REPLAYED,
             f"message predates this daemon's start at {format_time_ns(started_ns)} on {where}: a replay, "
             "or a message sent before the restart; it was not executed. Fix: resend it as a new message "
             "(a fresh timestamp is accepted; DaemonClient does so by itself)",
-            retryable=True, daemon_start_ns=started_ns, daemon_time_ns=time.time_ns(),
-            node=node_id)
+            retryable=True,
+            daemon_start_ns=started_ns,
+            daemon_time_ns=time.time_ns(),
+            node=node_id,
+        )
     return None
 
 
@@ -135,8 +143,15 @@ class Requests:
     """The request handlers, by message type (:meth:`handler`). COMMIT starts replication in
     :attr:`table`; the receive side, FETCH streams and pulls are the given collaborators."""
 
-    def __init__(self, ctx: DaemonContext, replies: Replier, conns: Connections, receiver: Receiver,
-                 streams: FetchStreams, puller: Puller):
+    def __init__(
+        self,
+        ctx: DaemonContext,
+        replies: Replier,
+        conns: Connections,
+        receiver: Receiver,
+        streams: FetchStreams,
+        puller: Puller,
+    ):
         self.ctx, self.replies, self.conns = ctx, replies, conns
         self.receiver, self.streams, self.puller = receiver, streams, puller
         self.waiters = Waiters(self._answer_replication)
@@ -164,16 +179,29 @@ class Requests:
     def on_hello(self, rid: bytes, label: str, msg: Message) -> None:
         ctx, b = self.ctx, msg.body
         version = negotiate_version(b["min_version"], b["max_version"], peer=label)
-        self.conns.add(rid, Conn(role=b["role"], version=version, credit_bytes=b.get("credit_bytes"),
-                                 max_frame_bytes=b.get("max_frame_bytes"), sender=msg.sender))
-        self.replies.reply(rid, msg, MessageType.HELLO_OK, {
-            "version": version,
-            "role": "daemon",
-            "max_frame_bytes": ctx.limits.max_frame_bytes,
-            "credit_bytes": ctx.config.credit_bytes,
-            "node": ctx.node_id,
-            "daemon_version": daemon_version(),
-        })
+        self.conns.add(
+            rid,
+            Conn(
+                role=b["role"],
+                version=version,
+                credit_bytes=b.get("credit_bytes"),
+                max_frame_bytes=b.get("max_frame_bytes"),
+                sender=msg.sender,
+            ),
+        )
+        self.replies.reply(
+            rid,
+            msg,
+            MessageType.HELLO_OK,
+            {
+                "version": version,
+                "role": "daemon",
+                "max_frame_bytes": ctx.limits.max_frame_bytes,
+                "credit_bytes": ctx.config.credit_bytes,
+                "node": ctx.node_id,
+                "daemon_version": daemon_version(),
+            },
+        )
 
     def on_list(self, rid: bytes, label: str, msg: Message) -> None:
         b = msg.body
@@ -188,8 +216,9 @@ class Requests:
         ctx = self.ctx
         try:
             local = filter_holdings(ctx.stores.holdings(msg.session), msg.body)
-            others, unreachable = gather_peers(ctx, msg.session, iteration=msg.body.get("iteration"),
-                                               owner=msg.body.get("owner_rank"))
+            others, unreachable = gather_peers(
+                ctx, msg.session, iteration=msg.body.get("iteration"), owner=msg.body.get("owner_rank")
+            )
             result = {"holdings": [h.to_wire() for h in local + others], "unreachable": unreachable}
             ctx.post(lambda: self._answer_list(rid, msg, result))
         except Exception as e:
@@ -201,10 +230,16 @@ class Requests:
         try:
             self.replies.ok(rid, msg, result)
         except LimitExceeded:
-            self.replies.error(rid, msg, ErrorCode.LIMIT_EXCEEDED, (
-                f"{len(result['holdings'])} holdings across the peers do not fit one answer "
-                f"({self.ctx.limits.max_header_bytes} header bytes); filter LIST by iteration or owner_rank, or "
-                "let the daemon plan the recovery itself (serve --recover)"))
+            self.replies.error(
+                rid,
+                msg,
+                ErrorCode.LIMIT_EXCEEDED,
+                (
+                    f"{len(result['holdings'])} holdings across the peers do not fit one answer "
+                    f"({self.ctx.limits.max_header_bytes} header bytes); filter LIST by iteration or owner_rank, or "
+                    "let the daemon plan the recovery itself (serve --recover)"
+                ),
+            )
 
     def on_drop(self, rid: bytes, label: str, msg: Message) -> None:
         ctx = self.ctx
@@ -223,9 +258,15 @@ class Requests:
         if dropped:
             ctx.event(logging.INFO, "dropped", peer=msg.sender, session=msg.session, count=dropped)
         if kept:
-            ctx.event(logging.INFO, "drop_kept_newer", peer=msg.sender, session=msg.session,
-                      ids=",".join(kept[:50]), reason="saved again after the DROP was sent: the DROP named an "
-                      "older save of these ids (delayed, or the sender's clock is behind this node's)")
+            ctx.event(
+                logging.INFO,
+                "drop_kept_newer",
+                peer=msg.sender,
+                session=msg.session,
+                ids=",".join(kept[:50]),
+                reason="saved again after the DROP was sent: the DROP named an "
+                "older save of these ids (delayed, or the sender's clock is behind this node's)",
+            )
         self.replies.ok(rid, msg, {"dropped": dropped})
 
     def _drop(self, store: CheckpointStore, key: Key) -> bool:
@@ -277,8 +318,10 @@ class Requests:
         except CheckpointingException as e:
             raise TransferError(ErrorCode.CHECKSUM_MISMATCH, str(e)) from None
         if header.world_size != b["world_size"]:
-            raise TransferError(ErrorCode.MALFORMED, f"COMMIT says world size {b['world_size']}, the header "
-                                f"{header.world_size}")
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"COMMIT says world size {b['world_size']}, the header {header.world_size}",
+            )
         return digest, header
 
     def _holders(self, header: CheckpointHeader, key: Key) -> Tuple[int, ...]:
@@ -286,13 +329,21 @@ class Requests:
         try:
             holders = holder_nodes(header)
         except ReplicationError as e:
-            raise TransferError(ErrorCode.MALFORMED, f"the header's replication parameters "
-                                f"{header.replication} are unusable: {e}") from None
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"the header's replication parameters {header.replication} are unusable: {e}",
+            ) from None
         node_id = self.ctx.node_id
         if node_id in holders:
-            self.ctx.event(logging.WARNING, "own_node_is_holder", session=key[0], iteration=key[1], owner=key[2],
-                           reason="this daemon's --node-id is a holder of a checkpoint committed to it: node ids "
-                           "and ranks_per_node disagree")
+            self.ctx.event(
+                logging.WARNING,
+                "own_node_is_holder",
+                session=key[0],
+                iteration=key[1],
+                owner=key[2],
+                reason="this daemon's --node-id is a holder of a checkpoint committed to it: node ids "
+                "and ranks_per_node disagree",
+            )
             holders = tuple(n for n in holders if n != node_id)
         return holders
 
@@ -348,7 +399,9 @@ class Requests:
             "replications_failed": failed,
             "inbound": (self.receiver.describe() + ctx.ledger.pulls_in())[:1000],
             "serving": self.streams.describe()[:1000],
-            "pulling": [{"session": k[0], "iteration": k[1], "owner": k[2]} for k in self.puller.tasks][:1000],
+            "pulling": [{"session": k[0], "iteration": k[1], "owner": k[2]} for k in self.puller.tasks][
+                :1000
+            ],
             "counters": ctx.ledger.counters(),
             "rejected": ctx.rejects.snapshot(),
         }
@@ -361,15 +414,28 @@ class Requests:
         sessions = []
         for s, u in sorted(usage.items()):
             store = ctx.stores.get(s)
-            sessions.append({"session": s, "checkpoints": len(store.list()) if store else 0,
-                             "data_bytes": u["data_bytes"], "free_pool_bytes": u["free_pool_bytes"]})
+            sessions.append(
+                {
+                    "session": s,
+                    "checkpoints": len(store.list()) if store else 0,
+                    "data_bytes": u["data_bytes"],
+                    "free_pool_bytes": u["free_pool_bytes"],
+                }
+            )
         fs: Dict[str, int] = {}
         with contextlib.suppress(OSError):
             st = os.statvfs(ctx.stores.root)
             fs = {"fs_total_bytes": st.f_blocks * st.f_frsize, "fs_free_bytes": st.f_bavail * st.f_frsize}
         total, held = ctx.ledger.usage
-        return {"root": str(ctx.stores.root), "total_bytes": total, **fs, "checkpoints": held,
-                "memory_budget": ctx.config.memory_budget, "keep_last": ctx.config.keep_last, "sessions": sessions}
+        return {
+            "root": str(ctx.stores.root),
+            "total_bytes": total,
+            **fs,
+            "checkpoints": held,
+            "memory_budget": ctx.config.memory_budget,
+            "keep_last": ctx.config.keep_last,
+            "sessions": sessions,
+        }
 
     def _peer_report(self) -> List[Dict[str, Any]]:
         ctx = self.ctx
@@ -381,6 +447,13 @@ class Requests:
         for node in sorted(set(nodes) | set(states)):
             st = states.get(node, {})
             last = st.get("last_ok")
-            peers.append({"node": node, "endpoint": endpoints.get(node, ""), "reachable": st.get("reachable"),
-                          "last_seen_s": None if last is None else round(now - last, 3), "error": st.get("error")})
+            peers.append(
+                {
+                    "node": node,
+                    "endpoint": endpoints.get(node, ""),
+                    "reachable": st.get("reachable"),
+                    "last_seen_s": None if last is None else round(now - last, 3),
+                    "error": st.get("error"),
+                }
+            )
         return peers

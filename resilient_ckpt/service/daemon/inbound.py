@@ -44,12 +44,17 @@ class TensorVerifier:
 
     def __init__(self, header: CheckpointHeader, total: int):
         if header.checksum_algo != checksum.ALGO:
-            raise TransferError(ErrorCode.MALFORMED, f"the header's tensors use checksum {header.checksum_algo!r}; "
-                                 f"this daemon verifies {checksum.ALGO!r} (run the same resilient-ckpt release)")
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"the header's tensors use checksum {header.checksum_algo!r}; "
+                f"this daemon verifies {checksum.ALGO!r} (run the same resilient-ckpt release)",
+            )
         self.items = []
         for i, lay in enumerate(header.tensors):
             if lay.offset < 0 or lay.nbytes < 0 or lay.offset + lay.nbytes > total:
-                raise TransferError(ErrorCode.MALFORMED, f"tensor {i} lies outside the segment of {total} bytes")
+                raise TransferError(
+                    ErrorCode.MALFORMED, f"tensor {i} lies outside the segment of {total} bytes"
+                )
             if lay.checksum is not None and lay.nbytes > 0:
                 self.items.append((lay.offset, lay.offset + lay.nbytes, lay.checksum, i))
         self.items.sort()
@@ -75,8 +80,11 @@ class TensorVerifier:
                 if b <= end:
                     h = self._hashers.pop(idx, None)
                     if h is None or h.intdigest() != expected:
-                        raise TransferError(ErrorCode.CHECKSUM_MISMATCH, f"tensor {idx} fails its checksum "
-                                             "(corrupted at the source or in transit)", retryable=True)
+                        raise TransferError(
+                            ErrorCode.CHECKSUM_MISMATCH,
+                            f"tensor {idx} fails its checksum (corrupted at the source or in transit)",
+                            retryable=True,
+                        )
                     self._done.add(idx)
             k += 1
         while self._first < len(items) and items[self._first][3] in self._done:
@@ -133,45 +141,75 @@ class Inbound:
 
     def describe(self, kind: str) -> Dict[str, Any]:
         seg = self.segment
-        return {"session": self.key[0], "iteration": self.key[1], "owner": self.key[2], "peer": self.peer,
-                "kind": kind, "received": self.received, "total_bytes": self.total,
-                "reserved_bytes": seg.claim if seg is not None else 0}
+        return {
+            "session": self.key[0],
+            "iteration": self.key[1],
+            "owner": self.key[2],
+            "peer": self.peer,
+            "kind": kind,
+            "received": self.received,
+            "total_bytes": self.total,
+            "reserved_bytes": seg.claim if seg is not None else 0,
+        }
 
     def _check_header(self, raw: bytes) -> CheckpointHeader:
         if self.digest is not None and header_digest(raw) != self.digest:
-            raise TransferError(ErrorCode.CHECKSUM_MISMATCH, "the store header does not match the digest "
-                                 "announced in REPLICATE_BEGIN")
+            raise TransferError(
+                ErrorCode.CHECKSUM_MISMATCH,
+                "the store header does not match the digest announced in REPLICATE_BEGIN",
+            )
         try:
-            header = CheckpointHeader.unpack(raw, source=f"replica header of {self.cid.stem()} from {self.peer}")
+            header = CheckpointHeader.unpack(
+                raw, source=f"replica header of {self.cid.stem()} from {self.peer}"
+            )
         except CheckpointingException as e:
             raise TransferError(ErrorCode.CHECKSUM_MISMATCH, str(e)) from None
         if header.id != self.cid or header.data_nbytes != self.total or header.world_size != self.world_size:
-            raise TransferError(ErrorCode.MALFORMED, f"the header describes {header.id.stem()} of "
-                                 f"{header.data_nbytes} bytes (world {header.world_size}), the transfer "
-                                 f"{self.cid.stem()} of {self.total} bytes (world {self.world_size})")
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"the header describes {header.id.stem()} of "
+                f"{header.data_nbytes} bytes (world {header.world_size}), the transfer "
+                f"{self.cid.stem()} of {self.total} bytes (world {self.world_size})",
+            )
         return header
 
     def write(self, body: Mapping[str, Any], frame: memoryview) -> int:
         index, offset = body["index"], body["offset"]
         if index != self.next_index:
-            raise TransferError(ErrorCode.MALFORMED, f"chunk {index} arrived while chunk {self.next_index} "
-                                 "was expected (chunks are sent in order; a message was lost)", retryable=True)
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"chunk {index} arrived while chunk {self.next_index} "
+                "was expected (chunks are sent in order; a message was lost)",
+                retryable=True,
+            )
         if index >= self.num_chunks:
-            raise TransferError(ErrorCode.MALFORMED, f"chunk {index} is beyond the announced {self.num_chunks}")
+            raise TransferError(
+                ErrorCode.MALFORMED, f"chunk {index} is beyond the announced {self.num_chunks}"
+            )
         expected_offset = index * self.chunk_bytes
         expected_len = min(self.chunk_bytes, self.total - expected_offset)
         n = frame.nbytes
         if offset != expected_offset or n != expected_len:
-            raise TransferError(ErrorCode.MALFORMED, f"chunk {index} has offset {offset} and {n} bytes; "
-                                 f"expected offset {expected_offset} and {expected_len} bytes")
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"chunk {index} has offset {offset} and {n} bytes; "
+                f"expected offset {expected_offset} and {expected_len} bytes",
+            )
         if offset + n > self.segment.claim:
-            raise TransferError(ErrorCode.MALFORMED, f"chunk {index} ends at byte {offset + n}, beyond the "
-                                 f"{self.segment.claim} bytes granted so far (credit window {self.window} bytes): "
-                                 "the sender ignores flow control (docs/protocol.md section 7)")
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"chunk {index} ends at byte {offset + n}, beyond the "
+                f"{self.segment.claim} bytes granted so far (credit window {self.window} bytes): "
+                "the sender ignores flow control (docs/protocol.md section 7)",
+            )
         if chunk_checksum(frame) != body["checksum"]:
-            raise TransferError(ErrorCode.CHECKSUM_MISMATCH, f"chunk {index} of {self.cid.stem()} fails its "
-                                 "checksum (corrupted in transit or at the source)", retryable=True)
-        np.copyto(self._dst[offset:offset + n], np.frombuffer(frame, dtype=np.uint8))
+            raise TransferError(
+                ErrorCode.CHECKSUM_MISMATCH,
+                f"chunk {index} of {self.cid.stem()} fails its "
+                "checksum (corrupted in transit or at the source)",
+                retryable=True,
+            )
+        np.copyto(self._dst[offset : offset + n], np.frombuffer(frame, dtype=np.uint8))
         if self.verifier is not None:
             self.verifier.feed(self._view, offset, offset + n)
         self.next_index += 1
@@ -184,22 +222,32 @@ class Inbound:
         first: once granted, the sender may put that many more bytes in flight."""
         grant = self.granter.consumed(n)
         if grant:
-            self.stores.grow_inbound(self.segment, self.granted + grant + self.window, self.budget,
-                                     f"receiving {self.cid.stem()} of session {self.key[0]!r} from {self.peer}")
+            self.stores.grow_inbound(
+                self.segment,
+                self.granted + grant + self.window,
+                self.budget,
+                f"receiving {self.cid.stem()} of session {self.key[0]!r} from {self.peer}",
+            )
             self.granted += grant
         return grant
 
     def finish(self, body: Mapping[str, Any], raw: memoryview) -> Tuple[CheckpointHeader, bool]:
         """Verify everything, then claim + publish. Returns (header, already_held)."""
         if body["num_chunks"] != self.num_chunks or body["total_bytes"] != self.total:
-            raise TransferError(ErrorCode.MALFORMED, "REPLICATE_END disagrees with REPLICATE_BEGIN on the "
-                                 "chunk count or size")
+            raise TransferError(
+                ErrorCode.MALFORMED, "REPLICATE_END disagrees with REPLICATE_BEGIN on the chunk count or size"
+            )
         if self.next_index != self.num_chunks:
-            raise TransferError(ErrorCode.MALFORMED, f"REPLICATE_END after {self.next_index} of "
-                                 f"{self.num_chunks} chunks", retryable=True)
+            raise TransferError(
+                ErrorCode.MALFORMED,
+                f"REPLICATE_END after {self.next_index} of {self.num_chunks} chunks",
+                retryable=True,
+            )
         raw = bytes(raw)
         if xxhash.xxh3_64_intdigest(raw) != body["header_checksum"]:
-            raise TransferError(ErrorCode.CHECKSUM_MISMATCH, "the store header fails its checksum", retryable=True)
+            raise TransferError(
+                ErrorCode.CHECKSUM_MISMATCH, "the store header fails its checksum", retryable=True
+            )
         header = self._check_header(raw)
         digest = header_digest(raw)
         if self.verifier is None and self.total:
@@ -278,8 +326,11 @@ class Receiver:
         cid = CheckpointId(key[1], key[2], key[0])
         most = min(ctx.limits.max_frame_bytes, ctx.config.credit_bytes)
         if b["chunk_bytes"] > most and b["total_bytes"]:
-            raise TransferError(ErrorCode.LIMIT_EXCEEDED, f"chunk_bytes {b['chunk_bytes']} exceeds this "
-                                f"daemon's frame limit / credit window ({most} bytes)")
+            raise TransferError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"chunk_bytes {b['chunk_bytes']} exceeds this "
+                f"daemon's frame limit / credit window ({most} bytes)",
+            )
         store = ctx.stores.get(msg.session, create=True)
         existing = ctx.stores.raw_header(store, cid)
         digest = b.get("header_digest")
@@ -290,14 +341,30 @@ class Receiver:
         old = self.transfers.pop(key, None)
         if old is not None:
             old.abort()
-            ctx.event(logging.INFO, "transfer_superseded", peer=old.peer, session=key[0], iteration=key[1],
-                      owner=key[2], reason=f"a new REPLICATE_BEGIN from {msg.sender}")
+            ctx.event(
+                logging.INFO,
+                "transfer_superseded",
+                peer=old.peer,
+                session=key[0],
+                iteration=key[1],
+                owner=key[2],
+                reason=f"a new REPLICATE_BEGIN from {msg.sender}",
+            )
         # Admission counts all announced bytes, but the reservation only holds what the
         # sender may have sent (one credit window beyond what was granted): a sender that
         # goes silent after BEGIN does not keep other replicas out until --inbound-timeout.
-        self.transfers[key] = Inbound(ctx.stores, store, key, b, peer=msg.sender, rid=rid, req_id=msg.req_id,
-                                      window=ctx.config.credit_bytes, budget=ctx.config.memory_budget,
-                                      header_frame=msg.frames[0] if msg.frames else None)
+        self.transfers[key] = Inbound(
+            ctx.stores,
+            store,
+            key,
+            b,
+            peer=msg.sender,
+            rid=rid,
+            req_id=msg.req_id,
+            window=ctx.config.credit_bytes,
+            budget=ctx.config.memory_budget,
+            header_frame=msg.frames[0] if msg.frames else None,
+        )
 
     def _transfer_for(self, rid: bytes, msg: Message) -> Optional[Inbound]:
         key = (msg.session, msg.body["iteration"], msg.body["owner_rank"])
@@ -311,8 +378,10 @@ class Receiver:
         if t is None:
             if (rid, msg.req_id) in self._ended:
                 return  # refused or finished earlier: its reason was sent once
-            text = ("no transfer in progress for this chunk (the receiver restarted, timed the transfer "
-                    "out, or a newer REPLICATE_BEGIN replaced it); send REPLICATE_BEGIN again")
+            text = (
+                "no transfer in progress for this chunk (the receiver restarted, timed the transfer "
+                "out, or a newer REPLICATE_BEGIN replaced it); send REPLICATE_BEGIN again"
+            )
             self._remember(rid, msg.req_id, ErrorCode.NOT_FOUND, text)
             raise TransferError(ErrorCode.NOT_FOUND, text, retryable=True)
         hold = self.ctx.config.faults.get("hold_inbound_after_chunks")
@@ -336,8 +405,17 @@ class Receiver:
         if self.transfers.get(t.key) is t:
             del self.transfers[t.key]
         t.abort()
-        self.ctx.event(logging.WARNING, "transfer_aborted", peer=t.peer, session=t.key[0], iteration=t.key[1],
-                       owner=t.key[2], received=t.received, total=t.total, reason=reason)
+        self.ctx.event(
+            logging.WARNING,
+            "transfer_aborted",
+            peer=t.peer,
+            session=t.key[0],
+            iteration=t.key[1],
+            owner=t.key[2],
+            received=t.received,
+            total=t.total,
+            reason=reason,
+        )
 
     def on_end(self, rid: bytes, label: str, msg: Message) -> None:
         t = self._transfer_for(rid, msg)
@@ -349,8 +427,15 @@ class Receiver:
             header, already = t.finish(msg.body, msg.frames[0])
         except TransferError as e:
             t.abort()
-            self.ctx.event(logging.WARNING, "transfer_aborted", peer=t.peer, session=t.key[0], iteration=t.key[1],
-                           owner=t.key[2], reason=e.text)
+            self.ctx.event(
+                logging.WARNING,
+                "transfer_aborted",
+                peer=t.peer,
+                session=t.key[0],
+                iteration=t.key[1],
+                owner=t.key[2],
+                reason=e.text,
+            )
             raise
         except BaseException:
             t.abort()
@@ -368,16 +453,28 @@ class Receiver:
             return
         if prior is not None:
             raise TransferError(prior[0], prior[1], retryable=True)
-        raise TransferError(ErrorCode.NOT_FOUND, "no transfer in progress for this REPLICATE_END; send "
-                            "REPLICATE_BEGIN again", retryable=True)
+        raise TransferError(
+            ErrorCode.NOT_FOUND,
+            "no transfer in progress for this REPLICATE_END; send REPLICATE_BEGIN again",
+            retryable=True,
+        )
 
     def _stored(self, t: Inbound, already: bool) -> None:
         ctx = self.ctx
         seconds = time.monotonic() - t.started
         ctx.ledger.count(bytes_in=t.received, replicas_stored=1)
         ctx.metrics.bytes.labels("in").inc(t.received)
-        ctx.event(logging.INFO, "replica_stored", peer=t.peer, session=t.key[0], iteration=t.key[1],
-                  owner=t.key[2], bytes=t.received, seconds=round(seconds, 4), already=already or None)
+        ctx.event(
+            logging.INFO,
+            "replica_stored",
+            peer=t.peer,
+            session=t.key[0],
+            iteration=t.key[1],
+            owner=t.key[2],
+            bytes=t.received,
+            seconds=round(seconds, 4),
+            already=already or None,
+        )
 
     def expire(self, now: float) -> None:
         """Transfers without data for ``--inbound-timeout`` are dropped."""

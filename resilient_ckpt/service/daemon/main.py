@@ -36,45 +36,114 @@ def build_parser() -> argparse.ArgumentParser:
         prog="resilient-ckpt serve",
         description="Run this node's checkpoint daemon: stores, replicates and serves in-memory checkpoints.",
     )
-    p.add_argument("--store-root", default=DEFAULT_ROOT,
-                   help="tmpfs directory of this node's store (default %(default)s)")
-    p.add_argument("--bind", default=DEFAULT_BIND, help="ZeroMQ endpoint to listen on, tcp://HOST:PORT (default "
-                   "%(default)s; use the cluster interface's address)")
-    p.add_argument("--node-id", type=int, default=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
-                   help="this node's index: ranks r with r // ranks_per_node == N live here (default $NODE_RANK or 0)")
+    p.add_argument(
+        "--store-root",
+        default=DEFAULT_ROOT,
+        help="tmpfs directory of this node's store (default %(default)s)",
+    )
+    p.add_argument(
+        "--bind",
+        default=DEFAULT_BIND,
+        help="ZeroMQ endpoint to listen on, tcp://HOST:PORT (default "
+        "%(default)s; use the cluster interface's address)",
+    )
+    p.add_argument(
+        "--node-id",
+        type=int,
+        default=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0))),
+        help="this node's index: ranks r with r // ranks_per_node == N live here (default $NODE_RANK or 0)",
+    )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--peers", type=parse_peers, default={}, help="the other daemons: 0=tcp://h:p,1=tcp://h:p or a file "
-                   "with one 'ID ENDPOINT' per line")
-    g.add_argument("--discover", metavar="HOST:PORT", help="register in and look peers up from a torch.distributed "
-                   "TCPStore (key resilient_ckpt/daemon/<node-id>)")
-    p.add_argument("--discover-master", action="store_true", help="host the --discover TCPStore in this daemon")
+    g.add_argument(
+        "--peers",
+        type=parse_peers,
+        default={},
+        help="the other daemons: 0=tcp://h:p,1=tcp://h:p or a file with one 'ID ENDPOINT' per line",
+    )
+    g.add_argument(
+        "--discover",
+        metavar="HOST:PORT",
+        help="register in and look peers up from a torch.distributed "
+        "TCPStore (key resilient_ckpt/daemon/<node-id>)",
+    )
+    p.add_argument(
+        "--discover-master", action="store_true", help="host the --discover TCPStore in this daemon"
+    )
     p.add_argument("--advertise", help="endpoint peers should use for this daemon (default: the bound one)")
-    p.add_argument("--session", action="append", dest="sessions", metavar="NAME",
-                   help="serve only these sessions (repeatable; default: any); others are rejected and counted")
-    p.add_argument("--secret-file", help="the job's secret (else $RESILIENT_CKPT_SECRET_FILE / $RESILIENT_CKPT_SECRET)")
+    p.add_argument(
+        "--session",
+        action="append",
+        dest="sessions",
+        metavar="NAME",
+        help="serve only these sessions (repeatable; default: any); others are rejected and counted",
+    )
+    p.add_argument(
+        "--secret-file", help="the job's secret (else $RESILIENT_CKPT_SECRET_FILE / $RESILIENT_CKPT_SECRET)"
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-addr", default="0.0.0.0", help="address of the metrics server (default %(default)s)")
-    p.add_argument("--memory-budget", type=parse_bytes, help="bytes this store may hold (K/M/G/T suffixes); replicas "
-                   "that do not fit are refused with STORE_FULL")
-    p.add_argument("--keep-last", type=int, default=2,
-                   help="complete iterations kept per session (default %(default)s; "
-                   "0 = no retention by the daemon)")
-    p.add_argument("--recover", metavar="SESSION", help="at start, pull this node's ranks of SESSION's newest complete "
-                   "iteration from the peers (a replacement node, before its trainers start)")
-    p.add_argument("--recover-timeout", type=float, default=300.0, help="seconds to keep trying (default %(default)s)")
-    p.add_argument("--chunk-bytes", type=parse_bytes, default=DEFAULT_CHUNK_BYTES, help="replication chunk size "
-                   "(default 4M: small enough that each chunk is hashed and copied while in cache)")
-    p.add_argument("--credit-bytes", type=parse_bytes, default=DEFAULT_CREDIT_BYTES, help="bytes a peer may have in "
-                   "flight to this daemon (default 64M)")
-    p.add_argument("--peer-timeout", type=float, default=30.0, help="seconds before a silent peer fails a transfer "
-                   "(default %(default)s)")
-    p.add_argument("--inbound-timeout", type=float, default=60.0, help="seconds before a stalled incoming transfer "
-                   "is dropped (default %(default)s)")
-    p.add_argument("--retries", type=int, default=3, help="retries of a failed replication (default %(default)s)")
+    p.add_argument(
+        "--metrics-addr", default="0.0.0.0", help="address of the metrics server (default %(default)s)"
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        help="bytes this store may hold (K/M/G/T suffixes); replicas "
+        "that do not fit are refused with STORE_FULL",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=2,
+        help="complete iterations kept per session (default %(default)s; 0 = no retention by the daemon)",
+    )
+    p.add_argument(
+        "--recover",
+        metavar="SESSION",
+        help="at start, pull this node's ranks of SESSION's newest complete "
+        "iteration from the peers (a replacement node, before its trainers start)",
+    )
+    p.add_argument(
+        "--recover-timeout", type=float, default=300.0, help="seconds to keep trying (default %(default)s)"
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=parse_bytes,
+        default=DEFAULT_CHUNK_BYTES,
+        help="replication chunk size "
+        "(default 4M: small enough that each chunk is hashed and copied while in cache)",
+    )
+    p.add_argument(
+        "--credit-bytes",
+        type=parse_bytes,
+        default=DEFAULT_CREDIT_BYTES,
+        help="bytes a peer may have in flight to this daemon (default 64M)",
+    )
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds before a silent peer fails a transfer (default %(default)s)",
+    )
+    p.add_argument(
+        "--inbound-timeout",
+        type=float,
+        default=60.0,
+        help="seconds before a stalled incoming transfer is dropped (default %(default)s)",
+    )
+    p.add_argument(
+        "--retries", type=int, default=3, help="retries of a failed replication (default %(default)s)"
+    )
     p.add_argument("--ping-interval", type=float, default=5.0, help="seconds between peer liveness checks")
-    p.add_argument("--orphan-grace", type=float, default=300.0, help="headerless data younger than this many seconds "
-                   "is a save in progress, not an orphan (default %(default)s)")
-    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one object per event")
+    p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=300.0,
+        help="headerless data younger than this many seconds "
+        "is a save in progress, not an orphan (default %(default)s)",
+    )
+    p.add_argument(
+        "--log-format", choices=("text", "json"), default="text", help="json: one object per event"
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 

@@ -70,7 +70,9 @@ class Maintenance:
     def _sleep(self, due: bool, now: float, next_ping: float, last_retention: float) -> None:
         until_ping = max(0.01, next_ping - now)
         if due:  # at most one pass per interval: sleep until the next one is allowed
-            self.ctx.stopping.wait(max(0.01, min(until_ping, RETENTION_MIN_INTERVAL_S - (now - last_retention))))
+            self.ctx.stopping.wait(
+                max(0.01, min(until_ping, RETENTION_MIN_INTERVAL_S - (now - last_retention)))
+            )
         else:
             self.ctx.retention_due.wait(until_ping)
 
@@ -95,8 +97,13 @@ class Maintenance:
             ok, err = self._ping(node, endpoint, rpcs)
             was = ctx.ledger.record_ping(node, ok, err)
             if was is not None and was != ok:
-                ctx.event(logging.INFO if ok else logging.WARNING, "peer_up" if ok else "peer_down",
-                          peer=f"node-{node}", endpoint=endpoint, reason=err)
+                ctx.event(
+                    logging.INFO if ok else logging.WARNING,
+                    "peer_up" if ok else "peer_down",
+                    peer=f"node-{node}",
+                    endpoint=endpoint,
+                    reason=err,
+                )
 
     def _ping(self, node: int, endpoint: str, rpcs: Dict[int, Rpc]) -> Tuple[bool, Optional[str]]:
         """HELLO to a peer: (reachable, why not / what is wrong with it)."""
@@ -143,8 +150,14 @@ class Maintenance:
                 ctx.retention_due.set()  # being sent or replicated: try again later
                 continue
             store.discard(CheckpointId(h.iteration, h.owner, session))
-            ctx.event(logging.INFO, "retired", session=session, iteration=h.iteration, owner=h.owner,
-                      reason=f"older than the {keep} newest complete iterations {complete[:keep]}")
+            ctx.event(
+                logging.INFO,
+                "retired",
+                session=session,
+                iteration=h.iteration,
+                owner=h.owner,
+                reason=f"older than the {keep} newest complete iterations {complete[:keep]}",
+            )
 
 
 class Recovery:
@@ -179,8 +192,10 @@ class Recovery:
             with contextlib.suppress(Exception):
                 ctx.peers.refresh()  # discovery: peers may register after this daemon
             if not ctx.peers.nodes() and not ctx.config.discover:
-                return "failed", {"error": "no peers to recover from: start the daemon with --peers (or "
-                                  "--discover) naming the other nodes' daemons"}
+                return "failed", {
+                    "error": "no peers to recover from: start the daemon with --peers (or "
+                    "--discover) naming the other nodes' daemons"
+                }
             outcome, last_error = self._attempt(session, rpcs, last_error)
             if outcome is not None:
                 return outcome
@@ -189,8 +204,9 @@ class Recovery:
             ctx.stopping.wait(0.5)
         return "failed", {"error": last_error or "stopped"}
 
-    def _attempt(self, session: str, rpcs: Dict[int, Rpc],
-                 last_error: str) -> Tuple[Optional[Tuple[str, Dict[str, Any]]], str]:
+    def _attempt(
+        self, session: str, rpcs: Dict[int, Rpc], last_error: str
+    ) -> Tuple[Optional[Tuple[str, Dict[str, Any]]], str]:
         """One look at the peers and, if there is a plan, one try at it: (final outcome or
         None to try again, the latest error)."""
         ctx = self.ctx
@@ -198,12 +214,17 @@ class Recovery:
         local = ctx.stores.holdings(session)
         plan = None
         try:
-            plan = plan_recovery(everywhere + local, ctx.node_id, held_locally=[(h.iteration, h.owner) for h in local])
+            plan = plan_recovery(
+                everywhere + local, ctx.node_id, held_locally=[(h.iteration, h.owner) for h in local]
+            )
         except ReplicationError as e:
             last_error = str(e)
         if plan is None and not last_error:
             if ctx.peers.nodes() and not unreachable:
-                return ("nothing", {"note": "no complete iteration on any peer: nothing to restore (a fresh job)"}), ""
+                return (
+                    "nothing",
+                    {"note": "no complete iteration on any peer: nothing to restore (a fresh job)"},
+                ), ""
             last_error = f"no complete iteration among reachable peers (unreachable: {unreachable})"
         if plan is not None:
             failed = self._carry_out(plan, session)
@@ -229,5 +250,8 @@ class Recovery:
     def _set(self, state: str, session: str, t0: float, **extra: Any) -> None:
         rec = {"session": session, "state": state, "seconds": round(time.monotonic() - t0, 3), **extra}
         self.ctx.ledger.set_recovery(rec)
-        self.ctx.event(logging.INFO if state != "failed" else logging.ERROR, f"recovery_{state}",
-                       **{k: v for k, v in rec.items() if k != "state"})
+        self.ctx.event(
+            logging.INFO if state != "failed" else logging.ERROR,
+            f"recovery_{state}",
+            **{k: v for k, v in rec.items() if k != "state"},
+        )

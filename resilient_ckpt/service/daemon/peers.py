@@ -18,8 +18,9 @@ class PeerDirectory:
     """Node id → daemon endpoint: a static ``--peers`` map and/or a torch TCPStore
     (``--discover``) where every daemon registers ``resilient_ckpt/daemon/<node-id>``."""
 
-    def __init__(self, node_id: int, static: Mapping[int, str], discover: Optional[str], master: bool,
-                 timeout_s: float):
+    def __init__(
+        self, node_id: int, static: Mapping[int, str], discover: Optional[str], master: bool, timeout_s: float
+    ):
         self.node_id = node_id
         self._static = dict(static)
         self._found: Dict[int, str] = {}
@@ -34,11 +35,17 @@ class PeerDirectory:
             return
         host, _, port = self._discover.rpartition(":")
         if not host or not port.isdigit():
-            raise ProtocolConfigError(f"--discover {self._discover!r} is not HOST:PORT",
-                                      fix="pass e.g. --discover node0:29500")
+            raise ProtocolConfigError(
+                f"--discover {self._discover!r} is not HOST:PORT", fix="pass e.g. --discover node0:29500"
+            )
         try:
-            self._store = TCPStore(host, int(port), is_master=self._master, wait_for_workers=False,
-                                   timeout=timedelta(seconds=max(1.0, self._timeout_s)))
+            self._store = TCPStore(
+                host,
+                int(port),
+                is_master=self._master,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=max(1.0, self._timeout_s)),
+            )
             self._store.set(DISCOVERY_PREFIX + str(self.node_id), advertise)
         except Exception as e:  # torch raises RuntimeError/DistNetworkError/TimeoutError
             raise ProtocolConfigError(
@@ -91,4 +98,3 @@ class PeerDirectory:
 
     def close(self) -> None:
         self._store = None
-

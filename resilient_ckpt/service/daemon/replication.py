@@ -114,7 +114,6 @@ def holder_nodes(header: CheckpointHeader) -> Tuple[int, ...]:
     return tuple(out)
 
 
-
 #: Records kept at most; the oldest finished ones go first.
 MAX_RECORDS = 10000
 
@@ -131,8 +130,9 @@ class ReplicationTable:
         self._pushers: Dict[int, PeerPusher] = {}
         self._on_finished = on_finished
 
-    def start(self, key: Key, digest: bytes, header: CheckpointHeader, holders: Tuple[int, ...],
-              committer: str) -> Replication:
+    def start(
+        self, key: Key, digest: bytes, header: CheckpointHeader, holders: Tuple[int, ...], committer: str
+    ) -> Replication:
         """Replicate ``key`` to ``holders``. A repeated COMMIT of the same save retries the
         failed holders, or only reports; a new save of the id supersedes the old record."""
         with self._lock:
@@ -146,16 +146,31 @@ class ReplicationTable:
                 targets = list(holders)
             for n in targets:
                 self._pusher(n).submit(rec, n)
-        self.ctx.event(logging.INFO, "commit", peer=committer, session=key[0], iteration=key[1], owner=key[2],
-                       holders=list(holders), retry=bool(rec.generation) or None)
+        self.ctx.event(
+            logging.INFO,
+            "commit",
+            peer=committer,
+            session=key[0],
+            iteration=key[1],
+            owner=key[2],
+            holders=list(holders),
+            retry=bool(rec.generation) or None,
+        )
         return rec
 
-    def _new_record(self, key: Key, digest: bytes, header: CheckpointHeader, holders: Tuple[int, ...],
-                    superseded: Optional[Replication]) -> Replication:
+    def _new_record(
+        self,
+        key: Key,
+        digest: bytes,
+        header: CheckpointHeader,
+        holders: Tuple[int, ...],
+        superseded: Optional[Replication],
+    ) -> Replication:
         if superseded is not None:
             superseded.cancelled = True  # a new save of the same id
-        rec = Replication(key, digest, header.world_size, header.data_nbytes, holders,
-                          nodes={n: "pending" for n in holders})
+        rec = Replication(
+            key, digest, header.world_size, header.data_nbytes, holders, nodes={n: "pending" for n in holders}
+        )
         if not holders:
             rec.finished = rec.started
         self._records[key] = rec
@@ -176,8 +191,9 @@ class ReplicationTable:
             p.thread.start()
         return p
 
-    def push_done(self, rec: Replication, node: int, generation: int, ok: bool, error: str, nbytes: int,
-                  seconds: float) -> None:
+    def push_done(
+        self, rec: Replication, node: int, generation: int, ok: bool, error: str, nbytes: int, seconds: float
+    ) -> None:
         """A pusher is done with one holder node (either way)."""
         ctx = self.ctx
         with self._lock:
@@ -196,9 +212,17 @@ class ReplicationTable:
         if ok:
             ctx.metrics.seconds.observe(seconds)
         session, it, owner = rec.key
-        ctx.event(logging.INFO if ok else logging.WARNING, "replicated" if ok else "replication_failed",
-                  peer=f"node-{node}", session=session, iteration=it, owner=owner, bytes=nbytes,
-                  seconds=round(seconds, 4), reason=None if ok else error)
+        ctx.event(
+            logging.INFO if ok else logging.WARNING,
+            "replicated" if ok else "replication_failed",
+            peer=f"node-{node}",
+            session=session,
+            iteration=it,
+            owner=owner,
+            bytes=nbytes,
+            seconds=round(seconds, 4),
+            reason=None if ok else error,
+        )
         if finished:
             self._on_finished(rec.key)
             ctx.retention_due.set()
@@ -244,8 +268,11 @@ class ReplicationTable:
     def summary(self) -> Tuple[List[Dict[str, Any]], int]:
         """(the replications in progress as STATUS lists them, how many failed)."""
         with self._lock:
-            in_flight = [{"session": k[0], "iteration": k[1], "owner": k[2], **r.to_wire()}
-                         for k, r in self._records.items() if r.state() == "replicating"]
+            in_flight = [
+                {"session": k[0], "iteration": k[1], "owner": k[2], **r.to_wire()}
+                for k, r in self._records.items()
+                if r.state() == "replicating"
+            ]
             failed = sum(1 for r in self._records.values() if r.state() == "failed")
         return in_flight, failed
 
@@ -379,9 +406,17 @@ class PeerPusher:
                 error = f"{type(e).__name__}: {e}"
                 self._disconnect()
             if attempt < retries:
-                self.ctx.event(logging.INFO, "replication_retry", peer=self.label, session=rec.key[0],
-                               iteration=rec.key[1], owner=rec.key[2], attempt=attempt + 1, reason=error)
-                if self._stop.wait(min(2.0, 0.2 * 2 ** attempt)):
+                self.ctx.event(
+                    logging.INFO,
+                    "replication_retry",
+                    peer=self.label,
+                    session=rec.key[0],
+                    iteration=rec.key[1],
+                    owner=rec.key[2],
+                    attempt=attempt + 1,
+                    reason=error,
+                )
+                if self._stop.wait(min(2.0, 0.2 * 2**attempt)):
                     break
         return False, error or "stopped", 0
 
@@ -391,8 +426,10 @@ class PeerPusher:
         ctx = self.ctx
         endpoint = ctx.peers.endpoint(self.node)
         if endpoint is None:
-            raise PushFailed(f"node {self.node} has no known endpoint: add it to --peers (or register it in "
-                             "the discovery store)")
+            raise PushFailed(
+                f"node {self.node} has no known endpoint: add it to --peers (or register it in "
+                "the discovery store)"
+            )
         if self._rpc is not None and self._rpc.endpoint == endpoint and not self._drain_monitor():
             return self._rpc
         self._disconnect()
@@ -402,8 +439,10 @@ class PeerPusher:
         try:
             rpc.hello(session, timeout_s=ctx.config.peer_timeout_s)
         except PeerTimeout as e:
-            raise PushFailed(f"node {self.node} ({endpoint}) does not answer HELLO within "
-                             f"{ctx.config.peer_timeout_s:g} s (daemon down or wrong secret)") from e
+            raise PushFailed(
+                f"node {self.node} ({endpoint}) does not answer HELLO within "
+                f"{ctx.config.peer_timeout_s:g} s (daemon down or wrong secret)"
+            ) from e
         self._drain_monitor()  # the connect event of this socket
         return rpc
 
@@ -436,8 +475,9 @@ class PeerPusher:
         store = stores.get(session)
         raw = stores.raw_header(store, cid) if store is not None else None
         if raw is None:
-            raise PushFailed(f"{cid.stem()} was removed from this node's store before it was replicated",
-                             retryable=False)
+            raise PushFailed(
+                f"{cid.stem()} was removed from this node's store before it was replicated", retryable=False
+            )
         if header_digest(raw) != rec.digest:
             raise PushFailed(f"{cid.stem()} was re-published since the COMMIT", retryable=False)
         return store, raw
@@ -449,19 +489,44 @@ class PeerPusher:
         store, raw = self._published(rec)
         rpc = self._connect(session)
         plan = PushPlan.for_peer(rec.total_bytes, rpc.peer_hello, self.ctx.config)
-        a = _Attempt(rpc, session, secrets.randbits(64), CreditWindow(plan.window_bytes, peer=self.label),
-                     self.ctx.config.peer_timeout_s)
+        a = _Attempt(
+            rpc,
+            session,
+            secrets.randbits(64),
+            CreditWindow(plan.window_bytes, peer=self.label),
+            self.ctx.config.peer_timeout_s,
+        )
         mapping = ReadOnlyMap(store.data_path(CheckpointId(it, owner, session)), plan.total)
         try:
-            self._out(a, MessageType.REPLICATE_BEGIN, {
-                "iteration": it, "owner_rank": owner, "world_size": rec.world_size, "total_bytes": plan.total,
-                "chunk_bytes": plan.chunk, "num_chunks": plan.num_chunks, "header_digest": rec.digest}, (raw,))
+            self._out(
+                a,
+                MessageType.REPLICATE_BEGIN,
+                {
+                    "iteration": it,
+                    "owner_rank": owner,
+                    "world_size": rec.world_size,
+                    "total_bytes": plan.total,
+                    "chunk_bytes": plan.chunk,
+                    "num_chunks": plan.num_chunks,
+                    "header_digest": rec.digest,
+                },
+                (raw,),
+            )
             sent = self._send_chunks(rec, a, plan, mapping)
             if a.already:
                 return 0
-            self._out(a, MessageType.REPLICATE_END, {
-                "iteration": it, "owner_rank": owner, "num_chunks": plan.num_chunks, "total_bytes": plan.total,
-                "header_checksum": xxhash.xxh3_64_intdigest(raw)}, (raw,))
+            self._out(
+                a,
+                MessageType.REPLICATE_END,
+                {
+                    "iteration": it,
+                    "owner_rank": owner,
+                    "num_chunks": plan.num_chunks,
+                    "total_bytes": plan.total,
+                    "header_checksum": xxhash.xxh3_64_intdigest(raw),
+                },
+                (raw,),
+            )
             self._pump(a, need=None, deadline=time.monotonic() + a.timeout)
             return 0 if a.already else sent
         finally:
@@ -482,9 +547,19 @@ class PeerPusher:
             if a.already:
                 return sent
             a.window.acquire(size, timeout_s=0)
-            view = mapping.view[off:off + size]
-            self._out(a, MessageType.REPLICATE_CHUNK, {"iteration": rec.key[1], "owner_rank": rec.key[2], "index": i,
-                                                      "offset": off, "checksum": chunk_checksum(view)}, (view,))
+            view = mapping.view[off : off + size]
+            self._out(
+                a,
+                MessageType.REPLICATE_CHUNK,
+                {
+                    "iteration": rec.key[1],
+                    "owner_rank": rec.key[2],
+                    "index": i,
+                    "offset": off,
+                    "checksum": chunk_checksum(view),
+                },
+                (view,),
+            )
             sent += size
         return sent
 
@@ -496,10 +571,14 @@ class PeerPusher:
 
     def _out(self, a: _Attempt, mtype: MessageType, body: Dict[str, Any], frames: Sequence[Any] = ()) -> None:
         try:
-            a.rpc.send(a.rpc.message(mtype, a.session, body, req_id=a.req_id, frames=frames), timeout_s=a.timeout)
+            a.rpc.send(
+                a.rpc.message(mtype, a.session, body, req_id=a.req_id, frames=frames), timeout_s=a.timeout
+            )
         except PeerTimeout as e:
-            raise PushFailed(f"node {self.node} did not take {mtype.name} within {a.timeout:g} s "
-                             "(connection down or peer not reading)") from e
+            raise PushFailed(
+                f"node {self.node} did not take {mtype.name} within {a.timeout:g} s "
+                "(connection down or peer not reading)"
+            ) from e
 
     def _pump(self, a: _Attempt, *, need: Optional[int], deadline: float) -> None:
         """Read answers until ``need`` bytes of credit are available (or, with need=None, until
@@ -516,10 +595,15 @@ class PeerPusher:
                 return  # enough credit; an early answer (ERROR) would be read here, none is queued
             remaining = deadline - time.monotonic()
             if waiting and remaining <= 0:
-                what = (f"no credit for {need} bytes ({a.window.in_flight} bytes unacknowledged)" if need is not None
-                        else "no answer to REPLICATE_END")
-                raise PushFailed(f"node {self.node}: {what} within {self.ctx.config.peer_timeout_s:g} s: the peer "
-                                 "stopped reading or is overloaded")
+                what = (
+                    f"no credit for {need} bytes ({a.window.in_flight} bytes unacknowledged)"
+                    if need is not None
+                    else "no answer to REPLICATE_END"
+                )
+                raise PushFailed(
+                    f"node {self.node}: {what} within {self.ctx.config.peer_timeout_s:g} s: the peer "
+                    "stopped reading or is overloaded"
+                )
             events = dict(poller.poll(min(250, max(1, int(remaining * 1000))) if waiting else 0))
             if sock in events:
                 msg = self._recv(a.rpc)
@@ -528,8 +612,9 @@ class PeerPusher:
 
     def _check_link(self) -> None:
         if self._drain_monitor():
-            raise PushFailed(f"connection to node {self.node} lost mid-transfer (its daemon died or "
-                             "the network dropped)")
+            raise PushFailed(
+                f"connection to node {self.node} lost mid-transfer (its daemon died or the network dropped)"
+            )
         if self._stopping():
             raise PushFailed("this daemon is stopping", retryable=False)
 
@@ -539,8 +624,11 @@ class PeerPusher:
             a.window.release(msg.body["bytes"])
         elif msg.type is MessageType.ERROR:
             code = ErrorCode.of(msg.body.get("code", ""))
-            raise PushFailed(f"node {self.node} refused: {code.value}: {msg.body.get('message', '')}",
-                             retryable=code not in _FINAL_CODES, code=code)
+            raise PushFailed(
+                f"node {self.node} refused: {code.value}: {msg.body.get('message', '')}",
+                retryable=code not in _FINAL_CODES,
+                code=code,
+            )
         elif msg.type is MessageType.OK:
             op = msg.body.get("op")
             result = msg.body.get("result") or {}
@@ -552,8 +640,15 @@ class PeerPusher:
     def _recv(self, rpc: Rpc) -> Optional[Message]:
         ctx = self.ctx
         try:
-            return recv(rpc.socket, ctx.auth, timeout_ms=100, expected_session=None, replay_guard=ctx.peer_guard,
-                        limits=ctx.limits, counters=ctx.rejects)
+            return recv(
+                rpc.socket,
+                ctx.auth,
+                timeout_ms=100,
+                expected_session=None,
+                replay_guard=ctx.peer_guard,
+                limits=ctx.limits,
+                counters=ctx.rejects,
+            )
         except PeerTimeout:
             return None
         except ProtocolError as e:

@@ -103,8 +103,9 @@ class Stores:
                 del self._cache[key]
         return sorted(out, key=lambda h: (h.iteration, h.owner))
 
-    def _cached_holding(self, key: Tuple[str, str], path: Path, m: "re.Match[str]",
-                        stamp: Tuple[int, int, int]) -> Optional[Holding]:
+    def _cached_holding(
+        self, key: Tuple[str, str], path: Path, m: "re.Match[str]", stamp: Tuple[int, int, int]
+    ) -> Optional[Holding]:
         """The holding a header file describes: cached while the file's stamp is unchanged."""
         with self._lock:
             cached = self._cache.get(key)
@@ -163,8 +164,15 @@ class Stores:
     def total_bytes(self) -> int:
         return sum(u["total_bytes"] for u in self.usage().values())
 
-    def check_budget(self, budget: Optional[int], session: str, need: int, *,
-                     exclude: Optional["Reservation"] = None, what: Optional[str] = None) -> None:
+    def check_budget(
+        self,
+        budget: Optional[int],
+        session: str,
+        need: int,
+        *,
+        exclude: Optional["Reservation"] = None,
+        what: Optional[str] = None,
+    ) -> None:
         """StoreFullError unless ``need`` more bytes fit the daemon-wide memory budget (all
         sessions' data, reusable pools and the memory inbound transfers hold); idle pooled
         segments and the not-yet-granted tails of inbound reservations (``exclude`` aside) are
@@ -202,8 +210,9 @@ class Stores:
 
     # ---- inbound reservations ----------------------------------------------------------------
 
-    def open_inbound(self, store: CheckpointStore, session: str, total: int, window: int,
-                     budget: Optional[int]) -> "Reservation":
+    def open_inbound(
+        self, store: CheckpointStore, session: str, total: int, window: int, budget: Optional[int]
+    ) -> "Reservation":
         """Admit an inbound checkpoint of ``total`` bytes (StoreFullError unless all of it fits
         next to what is held) and reserve its segment, backed for the first credit window."""
         with self._budget_lock:
@@ -271,8 +280,9 @@ class ReadOnlyMap:
             if size < nbytes:
                 raise CorruptCheckpointError(f"{path} has {size} bytes, its header says {nbytes} (truncated)")
             # Populated: one batched fault-in instead of a page fault per 4 KiB on first touch.
-            self._mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                 prot=mmap.PROT_READ)
+            self._mm = mmap.mmap(
+                fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ
+            )
         finally:
             os.close(fd)
         self.view = memoryview(self._mm)
@@ -329,7 +339,9 @@ class Reservation:
             if st.st_size != total:
                 os.ftruncate(self._fd, total)  # shrinking frees the excess, growing adds a hole
             if total:
-                self._mm = mmap.mmap(self._fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self._mm = mmap.mmap(
+                    self._fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
         except BaseException:
             self.close()
             with contextlib.suppress(OSError):
@@ -404,4 +416,3 @@ class Reservation:
                 os.ftruncate(self._fd, self.backed)
         self.close()
         store.release(self)  # type: ignore[arg-type]  # duck-typed Segment
-

@@ -211,7 +211,9 @@ def load_secret(
                 fix=f"create it with write_secret_file({path!r}) in the job's launcher, or fix {file_env}",
             ) from None
         except OSError as exc:
-            raise ProtocolConfigError(f"cannot stat secret file {path}: {exc}", fix="check the path") from None
+            raise ProtocolConfigError(
+                f"cannot stat secret file {path}: {exc}", fix="check the path"
+            ) from None
         if not stat.S_ISREG(st.st_mode):
             raise ProtocolConfigError(f"secret file {path} is not a regular file", fix="point at a file")
         if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
@@ -332,8 +334,7 @@ class ReplayGuard:
             self._expire(now)
             if nonce in self._seen:
                 raise ReplayedMessage(
-                    "nonce already seen within the replay window: this is a replayed or duplicated "
-                    "message",
+                    "nonce already seen within the replay window: this is a replayed or duplicated message",
                     peer=peer,
                     fix="build a new Message for every send (each gets a fresh nonce); if you did, "
                     "someone is replaying traffic",
@@ -367,7 +368,9 @@ class ReplayGuard:
 
 def format_time_ns(t_ns: int) -> str:
     """``time.time_ns()`` value as UTC ISO 8601 with milliseconds (for error texts and logs)."""
-    return datetime.datetime.fromtimestamp(t_ns / 1e9, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.datetime.fromtimestamp(t_ns / 1e9, datetime.timezone.utc).isoformat(
+        timespec="milliseconds"
+    )
 
 
 # --------------------------------------------------------------------------- counters

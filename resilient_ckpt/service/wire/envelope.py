@@ -225,13 +225,24 @@ def _check_envelope_values(msg: Message, peer: Optional[str], outgoing: bool) ->
     checks = (
         ("session", isinstance(msg.session, str) and 1 <= len(msg.session) <= 256, "a str of 1..256 chars"),
         ("sender", isinstance(msg.sender, str) and 1 <= len(msg.sender) <= 256, "a str of 1..256 chars"),
-        ("req_id", isinstance(msg.req_id, int) and not isinstance(msg.req_id, bool) and 0 <= msg.req_id <= _U64,
-         "an int in [0, 2**64-1]"),
-        ("version", isinstance(msg.version, int) and not isinstance(msg.version, bool) and 1 <= msg.version <= 0xFFFF,
-         "an int in [1, 65535]"),
+        (
+            "req_id",
+            isinstance(msg.req_id, int) and not isinstance(msg.req_id, bool) and 0 <= msg.req_id <= _U64,
+            "an int in [0, 2**64-1]",
+        ),
+        (
+            "version",
+            isinstance(msg.version, int) and not isinstance(msg.version, bool) and 1 <= msg.version <= 0xFFFF,
+            "an int in [1, 65535]",
+        ),
         ("nonce", isinstance(msg.nonce, bytes) and len(msg.nonce) == NONCE_BYTES, f"{NONCE_BYTES} bytes"),
-        ("timestamp_ns", isinstance(msg.timestamp_ns, int) and not isinstance(msg.timestamp_ns, bool)
-         and 0 <= msg.timestamp_ns <= _I64, "an int in [0, 2**63-1] (time.time_ns())"),
+        (
+            "timestamp_ns",
+            isinstance(msg.timestamp_ns, int)
+            and not isinstance(msg.timestamp_ns, bool)
+            and 0 <= msg.timestamp_ns <= _I64,
+            "an int in [0, 2**63-1] (time.time_ns())",
+        ),
     )
     for name, ok, want in checks:
         if not ok:
@@ -306,7 +317,8 @@ def _unpack_header(view: memoryview, peer: Optional[str]) -> dict:
         ) from None
     if not isinstance(header, dict):
         raise MalformedMessage(
-            f"header is a msgpack {_type_name(header)}, must be a map", peer=peer,
+            f"header is a msgpack {_type_name(header)}, must be a map",
+            peer=peer,
             fix="the sender does not follow the wire format",
         )
     keys = set(header)
@@ -376,8 +388,9 @@ def _decode(frames, authenticator, expected_session, replay_guard, limits, peer)
     return msg
 
 
-def _authenticated_header(frames, authenticator: Authenticator, limits: Limits,
-                          peer: Optional[str]) -> Tuple[dict, list]:
+def _authenticated_header(
+    frames, authenticator: Authenticator, limits: Limits, peer: Optional[str]
+) -> Tuple[dict, list]:
     """Frame count, sizes and tag checked (in that order, before anything is parsed), then
     the header unpacked: ``(header map, data frame views)``."""
     if not isinstance(frames, (list, tuple)):
@@ -400,15 +413,20 @@ def _type_and_version(header: Mapping[str, Any], peer: Optional[str]) -> Tuple[M
     """The envelope's type and version, both known to this build (or the matching error)."""
     type_code = header["type"]
     if not isinstance(type_code, int) or isinstance(type_code, bool):
-        raise MalformedMessage(f"envelope field 'type' is {type_code!r}, must be an int", peer=peer, fix=_FIX_FORMAT)
+        raise MalformedMessage(
+            f"envelope field 'type' is {type_code!r}, must be an int", peer=peer, fix=_FIX_FORMAT
+        )
     try:
         mtype = MessageType(type_code)
     except ValueError:
         mtype = None
     version = header["version"]
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= 0xFFFF:
-        raise MalformedMessage(f"envelope field 'version' is {version!r}, must be an int in [1, 65535]",
-                               peer=peer, fix=_FIX_FORMAT)
+        raise MalformedMessage(
+            f"envelope field 'version' is {version!r}, must be an int in [1, 65535]",
+            peer=peer,
+            fix=_FIX_FORMAT,
+        )
     if mtype not in VERSION_INDEPENDENT_TYPES and version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(
             f"message uses protocol version {version}; this node supports "
@@ -427,7 +445,9 @@ def _type_and_version(header: Mapping[str, Any], peer: Optional[str]) -> Tuple[M
     return mtype, version
 
 
-def _check_session(msg: Message, expected_session: Union[str, Collection[str], None], peer: Optional[str]) -> None:
+def _check_session(
+    msg: Message, expected_session: Union[str, Collection[str], None], peer: Optional[str]
+) -> None:
     if expected_session is None:
         return
     allowed = (expected_session,) if isinstance(expected_session, str) else expected_session
@@ -435,8 +455,7 @@ def _check_session(msg: Message, expected_session: Union[str, Collection[str], N
         raise WrongSession(
             f"{msg.type.name} is for session {msg.session!r}, this endpoint serves {sorted(allowed)}",
             peer=peer,
-            fix="point the trainer/peer at the daemon of its own job, or start the daemon with "
-            "its session",
+            fix="point the trainer/peer at the daemon of its own job, or start the daemon with its session",
         )
 
 
@@ -469,7 +488,12 @@ def authenticated_request_info(
         header = _unpack_header(views[0], None)
     except ProtocolError:
         return None
-    req_id, version, session, type_code = header["req_id"], header["version"], header["session"], header["type"]
+    req_id, version, session, type_code = (
+        header["req_id"],
+        header["version"],
+        header["session"],
+        header["type"],
+    )
     if not (isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id <= _U64):
         req_id = 0
     if not (isinstance(version, int) and not isinstance(version, bool) and version in SUPPORTED_VERSIONS):
@@ -479,7 +503,6 @@ def authenticated_request_info(
     if not (isinstance(type_code, int) and not isinstance(type_code, bool) and 1 <= type_code <= 0xFFFF):
         type_code = None
     return RequestInfo(type_code, req_id, version, session)
-
 
 
 __all__ = [

@@ -165,7 +165,6 @@ class ProtocolConfigError(ProtocolError, ValueError):
     code = ErrorCode.BAD_CONFIG
 
 
-
 __all__ = [
     "AuthenticationError",
     "ErrorCode",

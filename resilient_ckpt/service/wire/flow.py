@@ -21,7 +21,11 @@ class CreditWindow:
     """
 
     def __init__(self, max_inflight_bytes: int, *, peer: Optional[str] = None):
-        if not isinstance(max_inflight_bytes, int) or isinstance(max_inflight_bytes, bool) or max_inflight_bytes < 1:
+        if (
+            not isinstance(max_inflight_bytes, int)
+            or isinstance(max_inflight_bytes, bool)
+            or max_inflight_bytes < 1
+        ):
             raise ProtocolConfigError(
                 f"CreditWindow max_inflight_bytes={max_inflight_bytes!r} must be a positive int",
                 peer=peer,
@@ -125,5 +129,6 @@ class CreditGranter:
         with self._lock:
             grant, self._pending = self._pending, 0
             return grant
+
 
 __all__ = ["CreditGranter", "CreditWindow"]

@@ -214,6 +214,7 @@ def _id_query_consistent(body: Mapping[str, Any]) -> bool:
     has_it, has_owner = "iteration" in body, "owner_rank" in body
     return has_it == has_owner and ("wait_ms" not in body or has_it)
 
+
 #: Body schema of every message type (request side; OK results are in RESULT_SCHEMAS).
 SCHEMAS: Mapping[MessageType, BodySchema] = {
     MessageType.HELLO: BodySchema(

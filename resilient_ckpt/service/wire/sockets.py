@@ -59,15 +59,19 @@ def _check_socket(sock: zmq.Socket, to: Optional[bytes]) -> bool:
     if sock.type == zmq.ROUTER:
         if not isinstance(to, (bytes, bytearray)) or not to:
             raise ProtocolConfigError(
-                "sending on a ROUTER socket needs the peer's routing id", fix="pass to=<routing id from recv_from>"
+                "sending on a ROUTER socket needs the peer's routing id",
+                fix="pass to=<routing id from recv_from>",
             )
         return True
     if sock.type == zmq.DEALER:
         if to is not None:
-            raise ProtocolConfigError("a DEALER socket has one peer; do not pass to=", fix="drop the to= argument")
+            raise ProtocolConfigError(
+                "a DEALER socket has one peer; do not pass to=", fix="drop the to= argument"
+            )
         return False
     raise ProtocolConfigError(
-        f"socket type {sock.type} is not used by this protocol", fix="use ROUTER (daemon) or DEALER (clients, peers)"
+        f"socket type {sock.type} is not used by this protocol",
+        fix="use ROUTER (daemon) or DEALER (clients, peers)",
     )
 
 
@@ -189,8 +193,13 @@ def recv(
     """Receive and decode one message on a DEALER; PeerTimeout after ``timeout_ms``."""
     label, parts = recv_raw(sock, timeout_ms=timeout_ms, limits=limits, counters=counters)
     return decode(
-        parts, authenticator, expected_session=expected_session, replay_guard=replay_guard,
-        limits=limits, counters=counters, peer=label,
+        parts,
+        authenticator,
+        expected_session=expected_session,
+        replay_guard=replay_guard,
+        limits=limits,
+        counters=counters,
+        peer=label,
     )
 
 
@@ -234,8 +243,13 @@ def recv_from(
     """
     routing_id, label, parts = recv_raw_from(sock, timeout_ms=timeout_ms, limits=limits, counters=counters)
     msg = decode(
-        parts, authenticator, expected_session=expected_session, replay_guard=replay_guard,
-        limits=limits, counters=counters, peer=label,
+        parts,
+        authenticator,
+        expected_session=expected_session,
+        replay_guard=replay_guard,
+        limits=limits,
+        counters=counters,
+        peer=label,
     )
     return routing_id, msg
 
