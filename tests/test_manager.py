@@ -403,10 +403,10 @@ def test_a_corrupt_copy_is_excluded_for_its_whole_node_so_a_remote_replica_is_re
     holdings = restore.Holdings(("a",) * 8 + ("b",), tuple(held), ((),) * world)
     tried = []
 
-    def fake_execute(store, holdings_, iteration, plan, transport, me, *_borrow_serving_targets):
-        (mine,) = [f for f in plan if f.receiver == me]
+    def fake_execute(attempt, plan, transport):
+        (mine,) = [f for f in plan if f.receiver == attempt.me]
         tried.append(mine.source)
-        if holdings_.node_of(mine.source) == 0:  # every copy on node "a" is the corrupt file
+        if attempt.holdings.node_of(mine.source) == 0:  # every copy on node "a" is the corrupt file
             return None, [(mine.source, mine.owner)]
         return restore.Retrieved(None, [], mine.source, "peer", 0.0, 100, 1), []
 

@@ -113,7 +113,19 @@ class LoadPath:
             local = e
         collectives.fail_together(local, f"restoring iteration {iteration}", self._control_group())
         t1 = time.perf_counter()
-        state = tasd.to_state_dict(
+        state = _unborrow(self._fill(tasd, template, strict, extra), retrieved.borrowed_storages())
+        del tasd, retrieved, extra
+        self._heal_after_restore()
+        m = self.last_load_metrics
+        m.to_state_dict_s = time.perf_counter() - t1
+        m.total_s = time.perf_counter() - t0
+        logger.info("rank %d restored iteration %d from %s (rank %d) in %.3fs",
+                    self.rank, iteration, m.source, m.source_rank, m.total_s)  # fmt: skip
+        return state, iteration
+
+    def _fill(self, tasd, template, strict, extra):
+        """The template filled through the load exchange (collective; this manager's groups)."""
+        return tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
             algo="fully_parallel",
             exchange_algo=self.exchange_algo,
@@ -123,21 +135,6 @@ class LoadPath:
             extra_held=extra,
             validation_group=self._control_group(),
         )
-        state = _unborrow(state, retrieved.borrowed_storages())
-        del tasd, retrieved, extra
-        self._heal_after_restore()
-        m = self.last_load_metrics
-        m.to_state_dict_s = time.perf_counter() - t1
-        m.total_s = time.perf_counter() - t0
-        logger.info(
-            "rank %d restored iteration %d from %s (rank %d) in %.3fs",
-            self.rank,
-            iteration,
-            m.source,
-            m.source_rank,
-            m.total_s,
-        )
-        return state, iteration
 
     def _extra_shards(self, retrieved: Retrieved, tasd, iteration: int, targets) -> Dict[Any, torch.Tensor]:
         """Shards this rank can serve or fill beyond its own checkpoint: replicas of lost

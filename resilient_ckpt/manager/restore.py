@@ -203,21 +203,11 @@ def retrieve(
     for attempt in range(1, MAX_ATTEMPTS + 1):
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
-        local_exc: Optional[BaseException] = None
-        failures: List[Tuple[int, int]] = []
-        try:
-            result, failures = _execute(
-                store, holdings, iteration, plan, transport, me, borrow, serving, targets
-            )
-        except Exception as e:  # e.g. a peer died mid-transfer: every rank stops together
-            local_exc, result = e, None
+        at = _Attempt(store, holdings, iteration, me, borrow, serving, targets or {})
+        result, all_failed = _run_attempt(at, plan, transport, group)
         if result is not None and done is None:
             result.attempts = attempt
             done = result
-        gathered = collectives.gather_or_fail(
-            [list(f) for f in failures], local_exc, f"retrieving iteration {iteration}", group
-        )
-        all_failed = {(int(s), int(o)) for per in gathered for s, o in per}
         if not all_failed:
             break
         failed_log.extend(sorted(all_failed))
@@ -254,6 +244,21 @@ def _node_copies(failed: Set[Tuple[int, int]], holdings: Holdings, world_size: i
     }
 
 
+def _run_attempt(at: "_Attempt", plan, transport, group):
+    """One retrieval attempt on every rank: run the plan, then learn (one gather) which
+    copies failed anywhere. Returns (this rank's result or None, failed (source, owner))."""
+    local_exc: Optional[BaseException] = None
+    failures: List[Tuple[int, int]] = []
+    try:
+        result, failures = _execute(at, plan, transport)
+    except Exception as e:  # e.g. a peer died mid-transfer: every rank stops together
+        local_exc, result = e, None
+    gathered = collectives.gather_or_fail(
+        [list(f) for f in failures], local_exc, f"retrieving iteration {at.iteration}", group
+    )
+    return result, {(int(s), int(o)) for per in gathered for s, o in per}
+
+
 @dataclass
 class _Attempt:
     """What one retrieval attempt works with (one rank's view)."""
@@ -274,14 +279,10 @@ class _Attempt:
         return self.holdings.node_of(a) == self.holdings.node_of(b)
 
 
-def _execute(
-    store, holdings: Holdings, iteration, plan: Sequence[Fetch], transport, me, borrow, serving, targets=None
-):
+def _execute(at: "_Attempt", plan: Sequence[Fetch], transport):
     """Run one retrieval plan; returns (my result or None, failed (source, owner) pairs I saw).
-
-    ``serving`` (borrow mode) collects the replicas this rank verified and will serve.
-    """
-    at = _Attempt(store, holdings, iteration, me, borrow, serving, targets or {})
+    ``at.serving`` (borrow mode) collects the replicas this rank verified and will serve."""
+    me = at.me
     mine = next((f for f in plan if f.receiver == me), None)
     remote: Dict[str, Any] = {}
 

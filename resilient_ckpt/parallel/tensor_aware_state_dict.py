@@ -570,28 +570,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         group = _default_group(parallelization_group)
         n = collectives.group_size(group)
         me = collectives.group_rank(group)
-        # Local preparation. Errors are not raised here but travel with the one metadata
-        # all-gather, so every rank raises together instead of leaving peers in a collective.
-        local_exc: Optional[BaseException] = None
-        req: Optional[_LoadRequest] = None
-        facts: Dict[str, Any] = {
-            "rank": _my_global_rank(),
-            "error": None,
-            **_load_facts((), (), (), (), (), False),
-        }
-        try:
-            req = self._prepare_load(sharded_state_dict, algo, exchange_algo, strict, extra_held)
-            facts.update(req.facts(validate_access_integrity))
-        except Exception as e:  # reported to every rank below
-            local_exc = e
-            facts["error"] = f"{type(e).__name__}: {e}"
         # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
         # sees only part of each tensor-parallel tensor.
-        scope, members = _gather(
-            facts, group, world_scope=validate_access_integrity, scope_group=validation_group
+        req, scope, members = self._gather_load_facts(
+            (sharded_state_dict, algo, exchange_algo, strict, extra_held),
+            group,
+            validate_access_integrity,
+            validation_group,
         )
-        _raise_first_error(scope, local_exc)
-        assert req is not None
         result = map_leaves(lambda v: v, self.common)
         merge(result, req.nonpersistent)
         if not any(g["requested"] for g in members):
@@ -619,6 +605,28 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         elif req.strict == StrictHandling.ASSUME_OK_UNEXPECTED:
             missing = set()
         return (result, missing, unexpected) if return_mismatch_keys else result
+
+    def _gather_load_facts(self, args, group, validate, validation_group):
+        """Local preparation, then the one metadata all-gather. A local error is not raised
+        here but travels with the gather, so every rank raises together instead of leaving
+        peers in a collective. Returns (this rank's request, the scope's facts, the group's)."""
+        local_exc: Optional[BaseException] = None
+        req: Optional[_LoadRequest] = None
+        facts: Dict[str, Any] = {
+            "rank": _my_global_rank(),
+            "error": None,
+            **_load_facts((), (), (), (), (), False),
+        }
+        try:
+            req = self._prepare_load(*args)
+            facts.update(req.facts(validate))
+        except Exception as e:  # reported to every rank below
+            local_exc = e
+            facts["error"] = f"{type(e).__name__}: {e}"
+        scope, members = _gather(facts, group, world_scope=validate, scope_group=validation_group)
+        _raise_first_error(scope, local_exc)
+        assert req is not None
+        return req, scope, members
 
     def _prepare_load(self, template, algo, exchange_algo, strict, extra_held) -> "_LoadRequest":
         """The local half of a load (no collective): parse the arguments and the template,
