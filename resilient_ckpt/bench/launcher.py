@@ -149,6 +149,55 @@ def _entry(
             pass
 
 
+def _start_rank(ctx_mp, fn: Callable[..., Any], ctx: RankContext, entry_args: tuple):
+    p = ctx_mp.Process(
+        target=_entry,
+        args=(fn, ctx, *entry_args),
+        # not daemonic: systems may fork writers (nvrx does); launch() always reaps them
+        daemon=False,
+        name=f"bench-rank{ctx.rank}",
+    )
+    p.start()
+    return p
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=30)
+
+
+def _check_ranks_alive(procs: list, results: Dict[int, Any], deadline: float, timeout: float) -> None:
+    """Raise when a rank without a result died or the phase ran out of time."""
+    dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+    if dead:
+        raise CheckpointingException(
+            f"bench rank(s) {dead} died without a result (exit codes "
+            f"{[procs[r].exitcode for r in dead]}); out of memory? Try smaller --sizes"
+        ) from None  # the empty queue is only the poll's timeout
+    if time.monotonic() > deadline:
+        raise CheckpointingException(
+            f"bench phase timed out after {timeout:.0f}s; ranks without a result: "
+            f"{sorted(set(range(len(procs))) - set(results))}"
+        ) from None
+
+
+def _collect_results(q, procs: list, timeout: float, results: Dict[int, Any]) -> None:
+    """Fill ``results`` (rank -> payload) until every rank reported; raise on the first error."""
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            rank, status, payload = q.get(timeout=0.2)
+        except queue_mod.Empty:
+            _check_ranks_alive(procs, results, deadline, timeout)
+            continue
+        if status != "ok":
+            raise CheckpointingException(f"bench rank {rank} failed:\n{payload}")
+        results[rank] = payload
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -177,54 +226,23 @@ def launch(
     ctx_mp = mp_context(preload)
     port = free_port()
     q = ctx_mp.Queue()
-    procs = []
-    for r in range(world_size):
-        ctx = RankContext(r, world_size, rpn, str(tmp_root), session, replication_factor, phase, services)
-        p = ctx_mp.Process(
-            target=_entry,
-            args=(fn, ctx, port, tuple(args), q, hold, init_process_group, max(timeout, 60.0)),
-            # not daemonic: systems may fork writers (nvrx does); launch() always reaps them
-            daemon=False,
-            name=f"bench-rank{r}",
+    entry_args = (port, tuple(args), q, hold, init_process_group, max(timeout, 60.0))
+    procs = [
+        _start_rank(
+            ctx_mp,
+            fn,
+            RankContext(r, world_size, rpn, str(tmp_root), session, replication_factor, phase, services),
+            entry_args,
         )
-        p.start()
-        procs.append(p)
-
-    def kill_all() -> None:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=30)
-
+        for r in range(world_size)
+    ]
     results: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(results) < world_size:
-            try:
-                rank, status, payload = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                if dead:
-                    raise CheckpointingException(
-                        f"bench rank(s) {dead} died without a result (exit codes "
-                        f"{[procs[r].exitcode for r in dead]}); out of memory? Try smaller --sizes"
-                    ) from None  # the empty queue is only the poll's timeout
-                if time.monotonic() > deadline:
-                    raise CheckpointingException(
-                        f"bench phase timed out after {timeout:.0f}s; ranks without a result: "
-                        f"{sorted(set(range(world_size)) - set(results))}"
-                    ) from None
-                continue
-            if status != "ok":
-                raise CheckpointingException(f"bench rank {rank} failed:\n{payload}")
-            results[rank] = payload
+        _collect_results(q, procs, timeout, results)
     finally:
-        if hold or len(results) < world_size:
-            kill_all()
-        else:
+        if not hold and len(results) == world_size:  # they exit by themselves: let them
             for p in procs:
                 p.join(timeout=30)
-            kill_all()
+        _kill_all(procs)
         q.close()
     return [results[r] for r in range(world_size)]

@@ -216,6 +216,62 @@ def write_json(doc: Dict[str, Any], path: str) -> None:
     os.replace(tmp, path)
 
 
+_METRIC_COLORS = dict(zip(TIME_METRICS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+_MARKERS = ["o", "s", "^", "D", "v", "P"]
+
+
+def _plot_systems(ax, runs: List[Dict[str, Any]], w: int, systems: List[str]) -> None:
+    """A line per system and time metric: median seconds vs MiB per rank."""
+    for si, s in enumerate(systems):
+        rs = sorted(
+            (r for r in runs if r["system"] == s and r["world_size"] == w),
+            key=lambda r: r["bytes_per_rank"],
+        )
+        for metric in TIME_METRICS:
+            pts = [(r["bytes_per_rank"] / (1 << 20), _median(r, metric)) for r in rs]
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                ax.plot(
+                    *zip(*pts),
+                    marker=_MARKERS[si % len(_MARKERS)],
+                    linestyle="-" if s != BASELINE else ":",
+                    color=_METRIC_COLORS[metric],
+                    label=f"{s}: {METRIC_LABELS[metric]}",
+                )
+
+
+def _plot_limits(ax, doc: Dict[str, Any], w: int, sizes: List[int]) -> None:
+    """The machine's limit for each time metric, dashed (nothing without limits or runs)."""
+    rs = [r for r in doc["runs"] if r["world_size"] == w]
+    if not (doc.get("limits") and rs):
+        return
+    rpn, factor = rs[0]["ranks_per_node"], rs[0]["replication_factor"]
+    for metric in TIME_METRICS:
+        pts = [(b / (1 << 20), limit_seconds(metric, b, w, rpn, factor, doc["limits"])) for b in sizes]
+        ax.plot(
+            *zip(*pts),
+            linestyle="--",
+            linewidth=1,
+            color=_METRIC_COLORS[metric],
+            alpha=0.6,
+            label=f"limit: {METRIC_LABELS[metric]}",
+        )
+
+
+def _style_panel(ax, w: int, sizes: List[int]) -> None:
+    if sizes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([b / (1 << 20) for b in sizes], [format_size(b) for b in sizes])
+        ax.minorticks_off() if len(sizes) > 1 else None
+    ax.set_xlabel("bytes per rank")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"W={w}")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6, loc="upper left")
+
+
 def plot(doc: Dict[str, Any], path: str) -> None:
     """PNG: seconds vs bytes per rank, one panel per world size, a line per system and
     metric, the machine's limits as dashed lines."""
@@ -227,58 +283,12 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     runs = doc["runs"]
     worlds = sorted({r["world_size"] for r in runs}) or [0]
     systems = list(dict.fromkeys(r["system"] for r in runs))
-    colors = dict(zip(TIME_METRICS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
-    markers = ["o", "s", "^", "D", "v", "P"]
     fig, axes = plt.subplots(1, len(worlds), figsize=(6.5 * len(worlds), 5), squeeze=False)
     for ax, w in zip(axes[0], worlds):
         sizes = sorted({r["bytes_per_rank"] for r in runs if r["world_size"] == w})
-        for si, s in enumerate(systems):
-            rs = sorted(
-                (r for r in runs if r["system"] == s and r["world_size"] == w),
-                key=lambda r: r["bytes_per_rank"],
-            )
-            for metric in TIME_METRICS:
-                pts = [(r["bytes_per_rank"] / (1 << 20), _median(r, metric)) for r in rs]
-                pts = [(x, y) for x, y in pts if y is not None]
-                if pts:
-                    ax.plot(
-                        *zip(*pts),
-                        marker=markers[si % len(markers)],
-                        linestyle="-" if s != BASELINE else ":",
-                        color=colors[metric],
-                        label=f"{s}: {METRIC_LABELS[metric]}",
-                    )
-        rs = [r for r in runs if r["world_size"] == w]
-        if doc.get("limits") and rs:
-            for metric in TIME_METRICS:
-                pts = [
-                    (
-                        b / (1 << 20),
-                        limit_seconds(
-                            metric, b, w, rs[0]["ranks_per_node"], rs[0]["replication_factor"], doc["limits"]
-                        ),
-                    )
-                    for b in sizes
-                ]
-                ax.plot(
-                    *zip(*pts),
-                    linestyle="--",
-                    linewidth=1,
-                    color=colors[metric],
-                    alpha=0.6,
-                    label=f"limit: {METRIC_LABELS[metric]}",
-                )
-        if sizes:
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xticks([b / (1 << 20) for b in sizes], [format_size(b) for b in sizes])
-            ax.minorticks_off() if len(sizes) > 1 else None
-        ax.set_xlabel("bytes per rank")
-        ax.set_ylabel("seconds")
-        ax.set_title(f"W={w}")
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, loc="upper left")
+        _plot_systems(ax, runs, w, systems)
+        _plot_limits(ax, doc, w, sizes)
+        _style_panel(ax, w, sizes)
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)

@@ -346,6 +346,173 @@ def default_ranks_per_node(world_size: int) -> int:
     return max(1, world_size // 2)
 
 
+#: Per-repetition figures of a configuration, in the order its record lists them (the
+#: systems' ``details`` are appended as ``detail_<name>`` when first seen).
+_REP_METRICS = (
+    *TIME_METRICS,
+    *RSS_METRICS,
+    "first_stall_s",
+    "first_durable_s",
+    "saved_bytes",
+    "store_bytes_per_rank",
+    "writer_child_peak_rss_bytes",
+    "peak_rss_restore_restart_bytes",
+    "peak_rss_restore_node_loss_bytes",
+    "rss_at_start_save_bytes",
+    "rss_at_start_restore_bytes",
+)
+#: The restore phases of a repetition, in order: (case, metric of its time).
+_RESTORE_CASES = (("restart", "restore_restart_s"), ("node_loss", "restore_node_loss_s"))
+
+
+@dataclass(frozen=True)
+class _Config:
+    """One configuration (system, size, world size) and how its phases are launched."""
+
+    name: str
+    spec: RunSpec
+    cls: type
+    world_size: int
+    ranks_per_node: int
+    replication_factor: int
+    shm_dir: str
+    log: Callable[[str], None]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {format_size(self.spec.bytes_per_rank)} W={self.world_size}"
+
+    def session(self, rep: int) -> str:
+        return f"bench-{self.name}-{format_size(self.spec.bytes_per_rank)}-w{self.world_size}-r{rep}"
+
+    def launch_phase(
+        self, fn: Callable[..., Any], cluster: ClusterSpec, phase: str, services: Optional[NodeServices]
+    ) -> List[Any]:
+        """Run ``fn`` in every rank; the ranks are SIGKILLed afterwards, as in a crash."""
+        gib = self.spec.bytes_per_rank / (1 << 30)
+        return launch(
+            fn,
+            self.world_size,
+            cluster.tmp_root,
+            args=(self.spec,),
+            phase=phase,
+            # re-read for every phase: a replacement node's services may have changed it
+            services=getattr(services, "info", None),
+            ranks_per_node=self.ranks_per_node,
+            session=cluster.session,
+            replication_factor=self.replication_factor,
+            timeout=300.0 + 240.0 * gib * self.world_size,
+            preload=[self.spec.system.partition(":")[0]],
+            hold=True,
+        )
+
+
+@dataclass
+class _Tally:
+    """What the repetitions of one configuration collect."""
+
+    per_rep: Dict[str, List[Any]] = field(default_factory=lambda: {k: [] for k in _REP_METRICS})
+    errors: List[str] = field(default_factory=list)
+    rss_reset_ok: bool = True
+
+
+def _start_cluster(cls: type, cluster: ClusterSpec) -> Optional[NodeServices]:
+    """Create every node's store root and start the system's node services, if it has any."""
+    for n in range(cluster.num_nodes):
+        os.makedirs(cluster.store_root(n), exist_ok=True)
+    return cls.start_nodes(cluster) if hasattr(cls, "start_nodes") else None
+
+
+def _record_saves(tally: _Tally, rep: int, saves: List[Dict[str, Any]], cluster: ClusterSpec) -> None:
+    per_rep = tally.per_rep
+    per_rep["stall_s"].append(max(r["steady_stall_s"] for r in saves))
+    per_rep["durable_s"].append(max(r["steady_durable_s"] for r in saves))
+    per_rep["first_stall_s"].append(max(r["first_stall_s"] for r in saves))
+    per_rep["first_durable_s"].append(max(r["first_durable_s"] for r in saves))
+    per_rep["peak_rss_save_bytes"].append(max(r["peak_rss_save_bytes"] for r in saves))
+    per_rep["rss_at_start_save_bytes"].append(_max_or_none([r["rss_at_start_bytes"] for r in saves]))
+    sb = [r["saved_bytes"] for r in saves]
+    per_rep["saved_bytes"].append(None if None in sb else max(sb))
+    wc = [r["writer_child_peak_rss_bytes"] for r in saves if r["writer_child_peak_rss_bytes"]]
+    per_rep["writer_child_peak_rss_bytes"].append(max(wc) if wc else None)
+    per_rep["store_bytes_per_rank"].append(_dir_bytes(cluster.tmp_root) / cluster.world_size)
+    for k in sorted({k for r in saves for k in r["details"]}):
+        # a detail first seen in a later repetition has no figure for the earlier ones
+        per_rep.setdefault(f"detail_{k}", [None] * rep).append(
+            _max_or_none([r["details"].get(k) for r in saves])
+        )
+    tally.rss_reset_ok &= all(r["rss_reset"] for r in saves)
+
+
+def _restore_problems(rep: int, case: str, results: List[Dict[str, Any]]) -> List[str]:
+    return [
+        f"rep {rep} {case}: rank {rank} restore is not bit-exact: " + "; ".join(r["problems"])
+        for rank, r in enumerate(results)
+        if r["problems"]
+    ]
+
+
+def _restore_phases(
+    cfg: _Config, cluster: ClusterSpec, services: Optional[NodeServices], rep: int, tally: _Tally
+) -> None:
+    """Restore after a process restart, then after losing node 0; each checked bit-exactly."""
+    per_rep = tally.per_rep
+    peaks, starts = [], []
+    for case, metric in _RESTORE_CASES:
+        if case == "node_loss":
+            lose_node(cluster, services, 0)
+        res = cfg.launch_phase(_restore_phase, cluster, "restore", services)
+        per_rep[metric].append(max(r["restore_s"] for r in res))
+        peak = max(r["peak_rss_bytes"] for r in res)
+        per_rep[f"peak_rss_restore_{case}_bytes"].append(peak)
+        peaks.append(peak)
+        starts.append(_max_or_none([r["rss_at_start_bytes"] for r in res]))
+        tally.rss_reset_ok &= all(r["rss_reset"] for r in res)
+        tally.errors += _restore_problems(rep, case, res)
+    per_rep["peak_rss_restore_bytes"].append(max(peaks))
+    per_rep["rss_at_start_restore_bytes"].append(_max_or_none(starts))
+
+
+def _rep_line(cfg: _Config, rep: int, reps: int, tally: _Tally) -> str:
+    last = {k: tally.per_rep[k][-1] for k in TIME_METRICS}
+    return (
+        f"  {cfg.label} rep {rep + 1}/{reps}: "
+        f"stall {last['stall_s']:.3f}s durable {last['durable_s']:.3f}s "
+        f"restart {last['restore_restart_s']:.3f}s node-loss "
+        f"{last['restore_node_loss_s']:.3f}s" + ("" if not tally.errors else "  [NOT BIT-EXACT]")
+    )
+
+
+def _stop_services(services: Optional[NodeServices], rep: int, tally: _Tally) -> None:
+    if services is None:
+        return
+    try:
+        services.stop()
+    except Exception as e:  # a failed stop must not hide the measurement
+        tally.errors.append(f"rep {rep}: stopping node services failed: {e}")
+
+
+def _run_rep(cfg: _Config, rep: int, reps: int, tally: _Tally) -> bool:
+    """One repetition on a fresh temporary cluster; False when it failed (error recorded)."""
+    root = tempfile.mkdtemp(prefix="rckpt-bench-", dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None)
+    cluster = ClusterSpec(cfg.world_size, cfg.ranks_per_node, root, cfg.session(rep), cfg.replication_factor)
+    services = None
+    try:
+        services = _start_cluster(cfg.cls, cluster)
+        saves = cfg.launch_phase(_save_phase, cluster, "save", services)
+        _record_saves(tally, rep, saves, cluster)
+        _restore_phases(cfg, cluster, services, rep, tally)
+        cfg.log(_rep_line(cfg, rep, reps, tally))
+    except Exception as e:  # one configuration failing must not lose the others' figures
+        tally.errors.append(f"rep {rep}: {type(e).__name__}: {e}")
+        cfg.log(f"  {cfg.label} rep {rep + 1}: FAILED {str(e).splitlines()[0]}")
+        return False
+    finally:
+        _stop_services(services, rep, tally)
+        shutil.rmtree(root, ignore_errors=True)
+    return True
+
+
 def run_config(
     name: str,
     spec_str: str,
@@ -362,118 +529,11 @@ def run_config(
 ) -> Dict[str, Any]:
     """All repetitions of one (system, size, world size); returns the JSON record."""
     spec = RunSpec(spec_str, bytes_per_rank, warmup_saves=warmup_saves)
-    gib = bytes_per_rank / (1 << 30)
-    timeout = 300.0 + 240.0 * gib * world_size
-    preload = [spec_str.partition(":")[0]]
-    per_rep: Dict[str, List[Any]] = {
-        k: []
-        for k in (
-            *TIME_METRICS,
-            *RSS_METRICS,
-            "first_stall_s",
-            "first_durable_s",
-            "saved_bytes",
-            "store_bytes_per_rank",
-            "writer_child_peak_rss_bytes",
-            "peak_rss_restore_restart_bytes",
-            "peak_rss_restore_node_loss_bytes",
-            "rss_at_start_save_bytes",
-            "rss_at_start_restore_bytes",
-        )
-    }
-    errors: List[str] = []
-    rss_reset_ok = True
+    cfg = _Config(name, spec, cls, world_size, ranks_per_node, replication_factor, shm_dir, log)
+    tally = _Tally()
     for rep in range(reps):
-        session = f"bench-{name}-{format_size(bytes_per_rank)}-w{world_size}-r{rep}"
-        root = tempfile.mkdtemp(prefix="rckpt-bench-", dir=shm_dir if os.path.isdir(shm_dir) else None)
-        cluster = ClusterSpec(world_size, ranks_per_node, root, session, replication_factor)
-        services = None
-        try:
-            for n in range(cluster.num_nodes):
-                os.makedirs(cluster.store_root(n), exist_ok=True)
-            if hasattr(cls, "start_nodes"):
-                services = cls.start_nodes(cluster)
-            common = dict(
-                ranks_per_node=ranks_per_node,
-                session=session,
-                replication_factor=replication_factor,
-                timeout=timeout,
-                preload=preload,
-                hold=True,
-            )
-            saves = launch(
-                _save_phase,
-                world_size,
-                root,
-                args=(spec,),
-                phase="save",
-                services=getattr(services, "info", None),
-                **common,
-            )
-            per_rep["stall_s"].append(max(r["steady_stall_s"] for r in saves))
-            per_rep["durable_s"].append(max(r["steady_durable_s"] for r in saves))
-            per_rep["first_stall_s"].append(max(r["first_stall_s"] for r in saves))
-            per_rep["first_durable_s"].append(max(r["first_durable_s"] for r in saves))
-            per_rep["peak_rss_save_bytes"].append(max(r["peak_rss_save_bytes"] for r in saves))
-            per_rep["rss_at_start_save_bytes"].append(_max_or_none([r["rss_at_start_bytes"] for r in saves]))
-            sb = [r["saved_bytes"] for r in saves]
-            per_rep["saved_bytes"].append(None if None in sb else max(sb))
-            wc = [r["writer_child_peak_rss_bytes"] for r in saves if r["writer_child_peak_rss_bytes"]]
-            per_rep["writer_child_peak_rss_bytes"].append(max(wc) if wc else None)
-            per_rep["store_bytes_per_rank"].append(_dir_bytes(root) / world_size)
-            for k in sorted({k for r in saves for k in r["details"]}):
-                per_rep.setdefault(f"detail_{k}", [None] * rep).append(
-                    _max_or_none([r["details"].get(k) for r in saves])
-                )
-            rss_reset_ok &= all(r["rss_reset"] for r in saves)
-
-            peaks, starts = [], []
-            for case, metric in (("restart", "restore_restart_s"), ("node_loss", "restore_node_loss_s")):
-                if case == "node_loss":
-                    lose_node(cluster, services, 0)
-                res = launch(
-                    _restore_phase,
-                    world_size,
-                    root,
-                    args=(spec,),
-                    phase="restore",
-                    services=getattr(services, "info", None),
-                    **common,
-                )
-                per_rep[metric].append(max(r["restore_s"] for r in res))
-                peak = max(r["peak_rss_bytes"] for r in res)
-                per_rep[f"peak_rss_restore_{case}_bytes"].append(peak)
-                peaks.append(peak)
-                starts.append(_max_or_none([r["rss_at_start_bytes"] for r in res]))
-                rss_reset_ok &= all(r["rss_reset"] for r in res)
-                for rank, r in enumerate(res):
-                    if r["problems"]:
-                        errors.append(
-                            f"rep {rep} {case}: rank {rank} restore is not bit-exact: "
-                            + "; ".join(r["problems"])
-                        )
-            per_rep["peak_rss_restore_bytes"].append(max(peaks))
-            per_rep["rss_at_start_restore_bytes"].append(_max_or_none(starts))
-            log(
-                f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}/{reps}: "
-                f"stall {per_rep['stall_s'][-1]:.3f}s durable {per_rep['durable_s'][-1]:.3f}s "
-                f"restart {per_rep['restore_restart_s'][-1]:.3f}s node-loss "
-                f"{per_rep['restore_node_loss_s'][-1]:.3f}s" + ("" if not errors else "  [NOT BIT-EXACT]")
-            )
-        except Exception as e:  # one configuration failing must not lose the others' figures
-            errors.append(f"rep {rep}: {type(e).__name__}: {e}")
-            log(
-                f"  {name} {format_size(bytes_per_rank)} W={world_size} rep {rep + 1}: FAILED "
-                f"{str(e).splitlines()[0]}"
-            )
+        if not _run_rep(cfg, rep, reps, tally):
             break
-        finally:
-            if services is not None:
-                try:
-                    services.stop()
-                except Exception as e:  # a failed stop must not hide the measurement
-                    errors.append(f"rep {rep}: stopping node services failed: {e}")
-            shutil.rmtree(root, ignore_errors=True)
     return {
         "system": name,
         "spec": spec_str,
@@ -483,9 +543,9 @@ def run_config(
         "replication_factor": replication_factor,
         "reps": reps,
         "expected_saved_bytes": expected_saved_bytes(bytes_per_rank, world_size),
-        "rss_reset": rss_reset_ok,
-        "metrics": {k: _metric(v) for k, v in per_rep.items()},
-        "errors": errors,
+        "rss_reset": tally.rss_reset_ok,
+        "metrics": {k: _metric(v) for k, v in tally.per_rep.items()},
+        "errors": tally.errors,
     }
 
 
@@ -585,75 +645,91 @@ def _cpu_pressure() -> Optional[str]:
         return None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``resilient-ckpt bench``; returns 0 when every configuration ran and restored exactly."""
-    from ..cli import extras
+@dataclass(frozen=True)
+class _Plan:
+    """What ``bench`` runs: the command line's choices with the defaults filled in."""
 
-    quiet()
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
-    extras.require("bench")
-    sizes = args.sizes or ([64 << 20] if args.quick else [s << 20 for s in (64, 256, 1024, 2048)])
-    world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
-    reps = args.reps or (1 if args.quick else 3)
-    if reps < 1 or args.replication_factor < 1:
-        raise ValidationError("--reps and --replication-factor must be at least 1")
-    from . import report
+    sizes: List[int]
+    world_sizes: List[int]
+    reps: int
 
-    console = report.console()
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "_Plan":
+        sizes = args.sizes or ([64 << 20] if args.quick else [s << 20 for s in (64, 256, 1024, 2048)])
+        world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
+        reps = args.reps or (1 if args.quick else 3)
+        if reps < 1 or args.replication_factor < 1:
+            raise ValidationError("--reps and --replication-factor must be at least 1")
+        return cls(sizes, world_sizes, reps)
 
-    def log(msg: str) -> None:
-        console.print(msg, markup=False, highlight=False, soft_wrap=True)
 
-    t_start = time.monotonic()
+@dataclass
+class _Results:
+    """What the configurations produced, and what was skipped and why."""
+
+    runs: List[Dict[str, Any]] = field(default_factory=list)
+    skipped: List[Dict[str, Any]] = field(default_factory=list)
+    patched: List[str] = field(default_factory=list)
+
+
+def _load_systems(names: str, log: Callable[[str], None], results: _Results) -> List[Tuple[str, str, type]]:
+    """(name, module:Class, class) of each named system; unimportable ones are skipped."""
     systems: List[Tuple[str, str, type]] = []
-    skipped: List[Dict[str, Any]] = []
-    for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
+    for name in [s.strip() for s in names.split(",") if s.strip()]:
         spec = resolve_system(name)
         try:
             cls = load_system(spec)
         except (ImportError, AttributeError) as e:
             reason = f"{spec} is not importable ({type(e).__name__}: {e})"
             log(f"skipping {name}: {reason}")
-            skipped.append({"system": name, "reason": reason})
+            results.skipped.append({"system": name, "reason": reason})
             continue
         systems.append((name, spec, cls))
+    return systems
 
-    # One fork server for the whole run, with every system's module preloaded (first use wins).
-    mp_context([spec.partition(":")[0] for _, spec, _ in systems])
-    load_before, cpu_pressure_before = os.getloadavg(), _cpu_pressure()
-    limits = None
-    if not args.no_limits:
-        from .limits import measure_limits
 
-        log("measuring the machine's limits" + (" (quick)" if args.quick else ""))
-        limits = measure_limits(quick=args.quick)
-        log(report.format_limits(limits.to_dict()))
-
-    runs: List[Dict[str, Any]] = []
-    patched: List[str] = []
+def _memory_shortfall(cls: type, bytes_per_rank: int, world_size: int) -> Optional[str]:
+    """Why a configuration does not fit in the available host memory (None when it does)."""
     import psutil
 
-    for w in world_sizes:
+    est = getattr(cls, "memory_estimate", None)
+    need = est(bytes_per_rank, world_size) if est else 4 * bytes_per_rank * world_size
+    avail = psutil.virtual_memory().available
+    if need > 0.9 * avail:
+        return f"needs ~{format_size(need)}B of host memory, {format_size(avail)}B available"
+    return None
+
+
+def _run_all(
+    args: argparse.Namespace,
+    plan: _Plan,
+    systems: List[Tuple[str, str, type]],
+    log: Callable[[str], None],
+    results: _Results,
+) -> None:
+    """Every configuration: world sizes, then sizes, then systems."""
+    for w in plan.world_sizes:
         rpn = args.ranks_per_node or default_ranks_per_node(w)
-        for b in sizes:
+        for b in plan.sizes:
             for name, spec, cls in systems:
-                est = getattr(cls, "memory_estimate", None)
-                need = est(b, w) if est else 4 * b * w
-                avail = psutil.virtual_memory().available
-                if need > 0.9 * avail:
-                    reason = f"needs ~{format_size(need)}B of host memory, {format_size(avail)}B available"
+                reason = _memory_shortfall(cls, b, w)
+                if reason is not None:
                     log(f"skipping {name} {format_size(b)} W={w}: {reason}")
-                    skipped.append({"system": name, "bytes_per_rank": b, "world_size": w, "reason": reason})
+                    results.skipped.append(
+                        {"system": name, "bytes_per_rank": b, "world_size": w, "reason": reason}
+                    )
                     continue
-                patched += [p for p in getattr(cls, "patched_for_cpu", ()) if p not in patched]
-                runs.append(
+                results.patched += [
+                    p for p in getattr(cls, "patched_for_cpu", ()) if p not in results.patched
+                ]
+                results.runs.append(
                     run_config(
                         name,
                         spec,
                         cls,
                         b,
                         w,
-                        reps=reps,
+                        reps=plan.reps,
                         ranks_per_node=rpn,
                         replication_factor=args.replication_factor,
                         shm_dir=args.shm_dir,
@@ -661,18 +737,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         warmup_saves=args.warmup_saves,
                     )
                 )
-    doc = {
+
+
+def _document(
+    args: argparse.Namespace,
+    plan: _Plan,
+    systems: List[Tuple[str, str, type]],
+    limits: Any,
+    results: _Results,
+    t_start: float,
+    load_before: Tuple[Tuple[float, float, float], Optional[str]],
+) -> Dict[str, Any]:
+    """The JSON document of the run (``comparisons`` is added from it)."""
+    loadavg_before, cpu_pressure_before = load_before
+    return {
         "schema": "resilient_ckpt.bench/1",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "elapsed_s": time.monotonic() - t_start,
         "machine": _machine(),
         # other work on the machine skews figures: 1/5/15-min load averages before and after
-        "loadavg": {"start": list(load_before), "end": list(os.getloadavg())},
+        "loadavg": {"start": list(loadavg_before), "end": list(os.getloadavg())},
         "cpu_pressure": {"start": cpu_pressure_before, "end": _cpu_pressure()},
         "config": {
-            "sizes": sizes,
-            "world_sizes": world_sizes,
-            "reps": reps,
+            "sizes": plan.sizes,
+            "world_sizes": plan.world_sizes,
+            "reps": plan.reps,
             "systems": [s[0] for s in systems],
             "quick": args.quick,
             "replication_factor": args.replication_factor,
@@ -681,11 +770,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "timed_iteration": ITERATION,
         },
         "rss_method": RSS_METHOD,
-        "patched_for_cpu": patched,
+        "patched_for_cpu": results.patched,
         "limits": limits.to_dict() if limits else None,
-        "skipped": skipped,
-        "runs": runs,
+        "skipped": results.skipped,
+        "runs": results.runs,
     }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``resilient-ckpt bench``; returns 0 when every configuration ran and restored exactly."""
+    from ..cli import extras
+
+    quiet()
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    extras.require("bench")
+    plan = _Plan.from_args(args)
+    from . import report
+
+    console = report.console()
+
+    def log(msg: str) -> None:
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)
+
+    t_start = time.monotonic()
+    results = _Results()
+    systems = _load_systems(args.systems, log, results)
+    # One fork server for the whole run, with every system's module preloaded (first use wins).
+    mp_context([spec.partition(":")[0] for _, spec, _ in systems])
+    load_before = os.getloadavg(), _cpu_pressure()
+    limits = None
+    if not args.no_limits:
+        from .limits import measure_limits
+
+        log("measuring the machine's limits" + (" (quick)" if args.quick else ""))
+        limits = measure_limits(quick=args.quick)
+        log(report.format_limits(limits.to_dict()))
+
+    _run_all(args, plan, systems, log, results)
+    doc = _document(args, plan, systems, limits, results, t_start, load_before)
     doc["comparisons"] = report.comparisons(doc)
     report.render(doc, console)
     if args.json:
@@ -694,4 +816,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plot:
         report.plot(doc, args.plot)
         log(f"wrote {args.plot}")
-    return 1 if any(r["errors"] for r in runs) else 0
+    return 1 if any(r["errors"] for r in results.runs) else 0

@@ -170,55 +170,57 @@ def _layer_params(h: int) -> List[Tuple[str, Tuple[int, ...]]]:
     ]
 
 
-def layout(
-    bytes_per_rank: int,
-    world_size: int,
-    rank: int,
-    *,
-    dp_size: Optional[int] = None,
-    seed: int = 0,
-) -> Layout:
-    """The tensors of rank ``rank``; replicated and unique halves are exactly B/2 each."""
-    dp = world_size if dp_size is None else dp_size
-    _check_args(bytes_per_rank, world_size, rank, dp)
-    tp = world_size // dp
-    tp_rank, dp_rank = rank % tp, rank // tp
-    half = bytes_per_rank // 2
-    # hidden size: ~4 layers at small sizes, capped so big checkpoints get more layers (and
-    # more tensors) rather than ever larger matrices; a multiple of 64 keeps every byte count
-    # below divisible by 8.
-    h = int(math.sqrt(half / 96) // 64) * 64
-    h = max(64, min(_MAX_HIDDEN, h))
-    per_layer = 2 * sum(math.prod(s) for _, s in _layer_params(h))  # bf16 bytes
-    num_layers = half // per_layer
-    rest = half - num_layers * per_layer
-    vocab = 4 * (rest // (8 * h))  # multiple of 4: optimizer states split axis 0 in 4
-    pad = (rest - 2 * vocab * h) // 2  # bf16 elements, a multiple of 4
+@dataclass(frozen=True)
+class _Dims:
+    """Model dimensions that make the replicated half exactly ``half`` bytes of bf16."""
 
-    params: List[Tuple[str, Tuple[int, ...]]] = []
-    if vocab:
-        params.append(("embedding.word_embeddings.weight", (vocab, h)))
-    for i in range(num_layers):
-        params += [(f"decoder.layers.{i}.{n}", s) for n, s in _layer_params(h)]
-    if pad:
-        params.append(("decoder.final_layernorm.weight", (pad,)))
+    hidden: int
+    num_layers: int
+    vocab: int
+    pad: int  # elements of the pad vector
 
-    specs: List[TensorSpec] = []
-    for name, shape in params:
-        # bf16 parameter: replicated over dp, split over tp (when tp > 1)
-        offsets = ((0, tp_rank, tp),) if tp > 1 else ()
-        specs.append(
-            TensorSpec(
-                ("model", name),
-                name,
-                torch.bfloat16,
-                shape,
-                offsets,
-                dp_rank,
-                True,
-                f"param/{name}/tp{tp_rank}",
-            )
+    @classmethod
+    def for_half(cls, half: int) -> "_Dims":
+        # hidden size: ~4 layers at small sizes, capped so big checkpoints get more layers (and
+        # more tensors) rather than ever larger matrices; a multiple of 64 keeps every byte count
+        # below divisible by 8.
+        h = int(math.sqrt(half / 96) // 64) * 64
+        h = max(64, min(_MAX_HIDDEN, h))
+        per_layer = 2 * sum(math.prod(s) for _, s in _layer_params(h))  # bf16 bytes
+        num_layers = half // per_layer
+        rest = half - num_layers * per_layer
+        vocab = 4 * (rest // (8 * h))  # multiple of 4: optimizer states split axis 0 in 4
+        pad = (rest - 2 * vocab * h) // 2  # bf16 elements, a multiple of 4
+        return cls(h, num_layers, vocab, pad)
+
+    def params(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(name, shape) of every model parameter, in state dict order."""
+        h = self.hidden
+        params: List[Tuple[str, Tuple[int, ...]]] = []
+        if self.vocab:
+            params.append(("embedding.word_embeddings.weight", (self.vocab, h)))
+        for i in range(self.num_layers):
+            params += [(f"decoder.layers.{i}.{n}", s) for n, s in _layer_params(h)]
+        if self.pad:
+            params.append(("decoder.final_layernorm.weight", (self.pad,)))
+        return params
+
+
+def _param_specs(
+    params: List[Tuple[str, Tuple[int, ...]]], tp: int, tp_rank: int, dp_rank: int
+) -> List[TensorSpec]:
+    # bf16 parameter: replicated over dp, split over tp (when tp > 1)
+    offsets = ((0, tp_rank, tp),) if tp > 1 else ()
+    return [
+        TensorSpec(
+            ("model", name), name, torch.bfloat16, shape, offsets, dp_rank, True, f"param/{name}/tp{tp_rank}"
         )
+        for name, shape in params
+    ]
+
+
+def _state_specs(params: List[Tuple[str, Tuple[int, ...]]], rank: int, world_size: int) -> List[TensorSpec]:
+    specs: List[TensorSpec] = []
     for kind in _STATE_KINDS:
         for name, shape in params:
             # fp32 state of a quarter of the parameter's rows: 2 states x 4 B x n/4 = 2n B,
@@ -237,7 +239,29 @@ def layout(
                     f"state/{key}/r{rank}",
                 )
             )
-    lay = Layout(bytes_per_rank, world_size, rank, dp, seed, h, num_layers, vocab, tuple(specs))
+    return specs
+
+
+def layout(
+    bytes_per_rank: int,
+    world_size: int,
+    rank: int,
+    *,
+    dp_size: Optional[int] = None,
+    seed: int = 0,
+) -> Layout:
+    """The tensors of rank ``rank``; replicated and unique halves are exactly B/2 each."""
+    dp = world_size if dp_size is None else dp_size
+    _check_args(bytes_per_rank, world_size, rank, dp)
+    tp = world_size // dp
+    tp_rank, dp_rank = rank % tp, rank // tp
+    half = bytes_per_rank // 2
+    dims = _Dims.for_half(half)
+    params = dims.params()
+    specs = _param_specs(params, tp, tp_rank, dp_rank) + _state_specs(params, rank, world_size)
+    lay = Layout(
+        bytes_per_rank, world_size, rank, dp, seed, dims.hidden, dims.num_layers, dims.vocab, tuple(specs)
+    )
     assert lay.replicated_bytes == lay.unique_bytes == half, (lay.replicated_bytes, half)
     return lay
 

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 
 def _free_port() -> int:
@@ -179,14 +179,42 @@ class Demo:
             self.daemons = DemoDaemons(self, a.nodes)
             self.daemons.start("faulty")
 
-        self.log("reference run (uninterrupted, same seed) ...")
-        ref = self.launch("reference", "reference") if a.mode == "embedded" else self._service_reference()
-        self.finish(ref)
+        ref = self._reference_run()
         ref_losses = _losses(ref.events)
-        self.log(f"reference run done in {ref.ended - ref.started:.1f}s")
+        run1, t_fail = self._faulty_run(victims)
+        run1_losses = _losses(run1.events)
+        last_step = max(run1_losses)
+        run2, t_restart = self._restart(victims)
+        restored = self._check_restores(run2, t_restart)
+        resumed = _resumed_step(restored)
+        restore_s = max(e["seconds"] for e in restored)
+        combined = {s: l for s, l in run1_losses.items() if s < resumed}
+        combined.update(_losses(run2.events))
+        self.restores = [
+            {k: e[k] for k in ("rank", "iteration", "source", "source_rank", "seconds")}
+            for e in sorted(restored, key=lambda e: e["rank"])
+        ]
+        self.victims = victims
+        return self.report(
+            ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s
+        )
 
+    def _reference_run(self) -> Launch:
+        self.log("reference run (uninterrupted, same seed) ...")
+        ref = (
+            self.launch("reference", "reference")
+            if self.args.mode == "embedded"
+            else self._service_reference()
+        )
+        self.finish(ref)
+        self.log(f"reference run done in {ref.ended - ref.started:.1f}s")
+        return ref
+
+    def _faulty_run(self, victims: List[int]) -> Tuple[Launch, float]:
+        """Train until the victims pause after the failure step, then fail them and stop the
+        survivors; returns the launch and the time of the failure."""
         self.log("training run ...")
-        run1 = self.launch("faulty", "run", pause_at=a.fail_step, victims=victims)
+        run1 = self.launch("faulty", "run", pause_at=self.args.fail_step, victims=victims)
         ok = run1.wait_for(
             lambda evs: sum(1 for e in evs if e["event"] == "paused") == len(victims), timeout=300
         )
@@ -206,14 +234,21 @@ class Demo:
             if p.is_alive():
                 p.kill()
                 p.join()
-        run1_losses = _losses(run1.events)
-        last_step = max(run1_losses)
+        return run1, t_fail
+
+    def _restart(self, victims: List[int]) -> Tuple[Launch, float]:
+        """Relaunch every rank to completion; returns the launch and when the restart began."""
+        a = self.args
         self.log("restarting all ranks (replacement node comes up with an empty store) ...")
         if a.mode == "service" and a.failure in ("node", "daemon"):
             self.daemons.restart_lost(victims)
         t_restart = time.time()
         run2 = self.launch("faulty", "restart")
         self.finish(run2)
+        return run2, t_restart
+
+    def _check_restores(self, run2: Launch, t_restart: float) -> List[dict]:
+        """The restart's ``restored`` events; every rank must have restored."""
         restored = [e for e in run2.events if e["event"] == "restored"]
         fresh = [e for e in run2.events if e["event"] == "fresh_start"]
         if fresh or len(restored) != self.world:
@@ -226,21 +261,7 @@ class Demo:
                 f"rank {e['rank']} restored iteration {e['iteration']} from {e['source']} "
                 f"(served by rank {e['source_rank']}) in {e['seconds']:.2f}s"
             )
-        resumed_steps = {e["step"] for e in restored}
-        if len(resumed_steps) != 1:
-            raise SystemExit(f"ranks resumed from different steps: {sorted(resumed_steps)}")
-        resumed = resumed_steps.pop()
-        restore_s = max(e["seconds"] for e in restored)
-        combined = {s: l for s, l in run1_losses.items() if s < resumed}
-        combined.update(_losses(run2.events))
-        self.restores = [
-            {k: e[k] for k in ("rank", "iteration", "source", "source_rank", "seconds")}
-            for e in sorted(restored, key=lambda e: e["rank"])
-        ]
-        self.victims = victims
-        return self.report(
-            ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s
-        )
+        return restored
 
     def victim_ranks(self) -> List[int]:
         a = self.args
@@ -376,6 +397,14 @@ def _rank_main(argv, env, events, control) -> None:
 
 def _losses(events) -> Dict[int, float]:
     return {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["rank"] == 0}
+
+
+def _resumed_step(restored: List[dict]) -> int:
+    """The step every rank resumes from; they must agree."""
+    resumed_steps = {e["step"] for e in restored}
+    if len(resumed_steps) != 1:
+        raise SystemExit(f"ranks resumed from different steps: {sorted(resumed_steps)}")
+    return resumed_steps.pop()
 
 
 def _plot(path: Path, ref: Dict[int, float], run: Dict[int, float], failed_at: int, resumed: int, a) -> None:

@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, List, Optional
 
 
 def emit(**event) -> None:
@@ -97,15 +98,22 @@ def main(argv=None) -> int:
     return run(args, emit, pause)
 
 
-def run(args: argparse.Namespace, emit, pause) -> int:
-    """Train; ``emit(**event)`` reports progress, ``pause()`` blocks at the failure point."""
+@dataclass
+class _Job:
+    """A rank's training objects; ``params`` in the order their gradients are reduced."""
+
+    model: Any
+    params: List[Any]
+    opt: Any
+    sched: Any
+    state: Any  # TrainState
+    manager: Any  # CheckpointManager
+    hook: Any  # CheckpointHook
+
+
+def _build_job(args: argparse.Namespace, rank: int) -> _Job:
     import torch
     import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
 
     from resilient_ckpt import CheckpointHook, CheckpointManager, TrainState
 
@@ -131,14 +139,20 @@ def run(args: argparse.Namespace, emit, pause) -> int:
         manager_kwargs["endpoint"] = args.endpoint
     manager = CheckpointManager(**manager_kwargs)
     hook = CheckpointHook(manager, every_n_steps=args.interval, state=state)
+    return _Job(model, params, opt, sched, state, manager, hook)
+
+
+def _restore(job: _Job, rank: int, emit) -> int:
+    """Restore the newest checkpoint, if any; returns the step to train from."""
+    import torch.distributed as dist
 
     # Restore is timed from the moment every rank is up (process start-up is reported apart
     # by the orchestrator); the first collective would otherwise absorb the slowest start.
     dist.barrier()
     emit(event="ready", rank=rank)
     t0 = time.time()
-    start = hook.restore()
-    if hook.restored_from:
+    start = job.hook.restore()
+    if job.hook.restored_from:
         emit(
             event="restored",
             rank=rank,
@@ -146,58 +160,92 @@ def run(args: argparse.Namespace, emit, pause) -> int:
             seconds=time.time() - t0,
             **{
                 k: v
-                for k, v in hook.restored_from.items()
+                for k, v in job.hook.restored_from.items()
                 if k in ("source", "source_rank", "iteration", "total_s")
             },
         )
     else:
         emit(event="fresh_start", rank=rank, seconds=time.time() - t0)
+    return start
 
-    pending = []
+
+def _average_gradients(params: List[Any], world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
+def _train_step(job: _Job, args: argparse.Namespace, step: int, rank: int, world: int) -> float:
+    """One optimizer step; returns the loss averaged over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    x, y = batch(args.seed, step, rank)
+    job.model.train()
+    job.opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(job.model(x), y)
+    loss.backward()
+    _average_gradients(job.params, world)
+    job.opt.step()
+    job.sched.step()
+    job.state.extra["samples_seen"] += x.shape[0]
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    mean /= world
+    return float(mean)
+
+
+def _checkpoint(job: _Job, step: int, rank: int, pending: list, emit) -> None:
+    """Save every N steps (through the hook); report the saves that became durable."""
+    handle = job.hook.step(step)
+    if handle is not None:
+        emit(event="save", rank=rank, step=step, stall=handle.metrics.stall_s)
+        pending.append(handle)
+    for h in [h for h in pending if h.done()]:
+        pending.remove(h)
+        if h.exception() is None:
+            emit(event="durable", rank=rank, step=h.iteration, seconds=h.metrics.durable_s)
+
+
+def run(args: argparse.Namespace, emit, pause) -> int:
+    """Train; ``emit(**event)`` reports progress, ``pause()`` blocks at the failure point."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = _build_job(args, rank)
+    start = _restore(job, rank, emit)
+    pending: list = []
     for step in range(start, args.steps):
-        x, y = batch(args.seed, step, rank)
-        model.train()
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
-        opt.step()
-        sched.step()
-        state.extra["samples_seen"] += x.shape[0]
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        mean /= world
-        emit(event="step", rank=rank, step=step, loss=float(mean))
-        handle = hook.step(step)
-        if handle is not None:
-            emit(event="save", rank=rank, step=step, stall=handle.metrics.stall_s)
-            pending.append(handle)
-        for h in [h for h in pending if h.done()]:
-            pending.remove(h)
-            if h.exception() is None:
-                emit(event="durable", rank=rank, step=h.iteration, seconds=h.metrics.durable_s)
+        loss = _train_step(job, args, step, rank, world)
+        emit(event="step", rank=rank, step=step, loss=loss)
+        _checkpoint(job, step, rank, pending, emit)
         if step == args.pause_at:
             # Deterministic failure point: wait here until the orchestrator kills this process.
             emit(event="paused", rank=rank, step=step)
             pause()
             return 3
-    hook.finish()
+    job.hook.finish()
     emit(
         event="done",
         rank=rank,
-        digest=params_digest(model),
-        failed_saves=hook.failed_saves,
-        save_metrics=manager.last_save_metrics.as_dict() if manager.last_save_metrics else None,
+        digest=params_digest(job.model),
+        failed_saves=job.hook.failed_saves,
+        save_metrics=job.manager.last_save_metrics.as_dict() if job.manager.last_save_metrics else None,
     )
-    hook.close()
-    manager.close()
+    job.hook.close()
+    job.manager.close()
     dist.destroy_process_group()
     return 0
 
