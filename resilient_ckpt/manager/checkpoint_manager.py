@@ -76,20 +76,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-#: the flat keyword arguments' defaults: a flat argument left at its default defers to its group
-_FLAT_DEFAULTS = {
-    "replication_factor": 2,
-    "replication_jump": None,
-    "placement": "ring",
-    "ranks_per_node": None,
-    "replication_backend": "gloo",
-    "persistent_dir": None,
-    "flush_every": 0,
-    "flush_on_sigterm": False,
-    "endpoint": None,
-}
-
-
 class CheckpointManager(SavePath, LoadPath, Healing):
     """In-memory local checkpoints with peer replication (embedded mode).
 
@@ -163,8 +149,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         mode: Optional[str] = None,
         endpoint: Optional[str] = None,
     ):
-        # Flat keyword arguments the caller actually passed (defaults defer to the groups).
-        flat = {k: v for k, v in locals().items() if k in FLAT and v != _FLAT_DEFAULTS[k]}
+        flat = {k: v for k, v in locals().items() if k in FLAT}
         self.options = opts = resolve(
             flat,
             replication,

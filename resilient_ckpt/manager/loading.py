@@ -143,8 +143,8 @@ class LoadPath:
         previous node's ranks here: typically half of the data-parallel replicated shards) —
         read locally, not over the network."""
         extra: Dict[Any, torch.Tensor] = {}
-        for hdr, views in retrieved.serving.values():
-            replica = MCoreTensorAwareStateDict.from_bytes(hdr.meta)
+        for owner, (hdr, views) in retrieved.serving.items():
+            replica = retrieved.decoded.get(owner) or MCoreTensorAwareStateDict.from_bytes(hdr.meta)
             extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
         if targets and retrieved.served_by is None:
             own = {st.shard_id for st in tasd.tensor_metadata}
@@ -153,13 +153,17 @@ class LoadPath:
                 extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
         return extra
 
-    def _check_template(self, holdings: Holdings, iteration: int, template: Any, strict) -> None:
+    def _check_template(
+        self, holdings: Holdings, iteration: int, template: Any, strict
+    ) -> Dict[int, MCoreTensorAwareStateDict]:
         """Collective: raise on every rank, before anything is read into ``template``, if
         restoring ``iteration`` into it would fail a check (keys, shapes, dtypes, layout).
         Each rank vouches for the checkpoints the retrieval plan has it serve, read from its
         node's store (headers only); if any rank cannot read one, the checks run later, as
-        part of the load, instead."""
-        saved: Optional[List[MCoreTensorAwareStateDict]] = []
+        part of the load, instead. Returns the hollow state dicts it decoded, by owner (the
+        retrieval reuses them)."""
+        decoded: Dict[int, MCoreTensorAwareStateDict] = {}
+        saved: Optional[List[MCoreTensorAwareStateDict]] = None
         try:
             plan = plan_retrieval(
                 {r: r for r in range(self.world_size)},
@@ -170,22 +174,21 @@ class LoadPath:
             for f in plan:
                 if f.source == self.rank:
                     header = self.store.read_header(CheckpointId(iteration, f.owner, self.session_id))
-                    saved.append(MCoreTensorAwareStateDict.from_bytes(header.meta))
+                    decoded[f.owner] = MCoreTensorAwareStateDict.from_bytes(header.meta)
+            saved = list(decoded.values())
         except (CheckpointingException, OSError) as e:
             logger.debug("cannot vouch for iteration %d before restoring it: %s", iteration, e)
-            saved = None
+            decoded = {}
         check_restorable(
             template, saved, self._parallel_group(), strict, validation_group=self._control_group()
         )
+        return decoded
 
     def _warn_unrestorable(self, holdings: Holdings) -> None:
         """Memory holds none of this job's checkpoints in full: say so loudly when it holds
         part of one (a node lost with its only copy) — progress is lost unless a fallback has
         it. Same facts on every rank, so the same warning everywhere."""
-        held: Dict[int, Set[int]] = {}
-        for per in holdings.ids:
-            for it, owner in per:
-                held.setdefault(it, set()).add(owner)
+        held = holdings.owners_held()
         if held:
             newest = max(held)
             missing = sorted(set(range(self.world_size)) - held[newest])
@@ -315,10 +318,11 @@ class LoadPath:
             self._drop_abandoned(newer_than=iteration)
             if self._client is not None:
                 holdings = self._pull_missing(holdings, iteration, control)
+            decoded: Dict[int, MCoreTensorAwareStateDict] = {}
             if template is not None:
                 # Before any byte lands in the template: a restore that cannot succeed leaves
                 # the caller's tensors untouched on every rank.
-                self._check_template(holdings, iteration, template, strict)
+                decoded = self._check_template(holdings, iteration, template, strict)
             try:
                 retrieved = retrieve(
                     self.store,
@@ -330,6 +334,7 @@ class LoadPath:
                     self.world_size,
                     borrow=borrow,
                     targets=targets,
+                    decoded=decoded,
                 )
                 return retrieved, iteration, holdings
             except (CorruptCheckpointError, NoReplicaError) as e:

@@ -92,8 +92,14 @@ def resolve(
     mode: Optional[str] = None,
     **plain: Any,
 ) -> ManagerOptions:
-    """Merge option groups with the flat keyword arguments (``flat``: only those the caller
-    passed). A flat argument that contradicts its group's value raises, naming both."""
+    """Merge option groups with the flat keyword arguments. A flat argument left at its
+    default (the group field's default) defers to its group; one that contradicts its
+    group's value raises, naming both."""
+    defaults = {
+        "replication": ReplicationOptions(),
+        "persistent": PersistentOptions(),
+        "service": ServiceOptions(),
+    }
     groups: Dict[str, Any] = {
         "replication": replication or ReplicationOptions(),
         "persistent": persistent or PersistentOptions(),
@@ -102,6 +108,8 @@ def resolve(
     given = {"replication": replication, "persistent": persistent, "service": service}
     for name, value in flat.items():
         group, field = FLAT[name]
+        if value == getattr(defaults[group], field):
+            continue
         current = getattr(groups[group], field)
         if given[group] is not None and current != value:
             raise ValidationError(

@@ -25,7 +25,7 @@ from ..errors import (
     StoreError,
 )
 from ..memory import checksum
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore
+from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, TensorLayout
 from ..parallel import collectives
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.placement import Fetch, plan_retrieval
@@ -57,14 +57,18 @@ class Holdings:
             idx.setdefault(k, len(idx))
         return idx
 
-    def complete_iterations(self, world_size: int) -> List[int]:
-        """Iterations for which every owner rank's data is held somewhere, newest first."""
+    def owners_held(self) -> Dict[int, Set[int]]:
+        """Per iteration: the owner ranks whose data some store holds."""
         owners: Dict[int, Set[int]] = {}
         for per_rank in self.ids:
             for it, owner in per_rank:
                 owners.setdefault(it, set()).add(owner)
+        return owners
+
+    def complete_iterations(self, world_size: int) -> List[int]:
+        """Iterations for which every owner rank's data is held somewhere, newest first."""
         full = set(range(world_size))
-        return sorted((it for it, o in owners.items() if o >= full), reverse=True)
+        return sorted((it for it, o in self.owners_held().items() if o >= full), reverse=True)
 
     def available(self, iteration: int) -> Dict[int, List[int]]:
         out: Dict[int, List[int]] = {}
@@ -156,6 +160,8 @@ class Retrieved:
     serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]] = field(default_factory=dict)
     #: the hollow state dict decoded from ``header.meta`` when retrieval needed it (reused)
     hollow: Any = None
+    #: owner -> hollow state dict already decoded by the caller (reused, not decoded again)
+    decoded: Mapping[int, Any] = field(default_factory=dict)
 
     def borrowed_storages(self) -> Set[int]:
         """Storage addresses of the store mappings this retrieval's tensors view: tensors on
@@ -178,6 +184,7 @@ def retrieve(
     world_size: int,
     borrow: bool = False,
     targets: Optional[Mapping[Any, torch.Tensor]] = None,
+    decoded: Optional[Mapping[int, Any]] = None,
 ) -> Retrieved:
     """Bring this rank's checkpoint of ``iteration`` into memory, verified.
 
@@ -188,6 +195,7 @@ def retrieve(
     (``Retrieved.served_by`` / ``Retrieved.serving``), so they travel once, straight into the
     receiver's tensors. ``targets`` (borrow mode; shard id -> tensor, e.g. the template's):
     tensors of the node's own copy are read straight into them — one copy, no new pages.
+    ``decoded``: owner -> its hollow state dict, already decoded by the caller (not again).
 
     Local-first, then the least-loaded remote holder; copies failing their checksum are
     excluded and the plan is redone on every rank together.
@@ -203,7 +211,7 @@ def retrieve(
     for attempt in range(1, MAX_ATTEMPTS + 1):
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
-        at = _Attempt(store, holdings, iteration, me, borrow, serving, targets or {})
+        at = _Attempt(store, holdings, iteration, me, borrow, serving, targets or {}, decoded or {})
         result, all_failed = _run_attempt(at, plan, transport, group)
         if result is not None and done is None:
             result.attempts = attempt
@@ -228,6 +236,7 @@ def retrieve(
     assert done is not None
     done.failed_copies = failed_log
     done.serving = serving
+    done.decoded = decoded or {}
     done.seconds = time.perf_counter() - t0
     return done
 
@@ -271,6 +280,7 @@ class _Attempt:
     #: borrow mode: owner -> (header, verified views) of replicas this rank serves
     serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]]
     targets: Mapping[Any, torch.Tensor]
+    decoded: Mapping[int, Any]
 
     def cid(self, owner: int) -> CheckpointId:
         return CheckpointId(self.iteration, owner, self.store.session)
@@ -355,7 +365,9 @@ def _from_node(at: _Attempt, mine: Fetch) -> Retrieved:
     cid = at.cid(mine.owner)
     source = "local" if mine.source == at.me else "node"
     if at.borrow:
-        header, tensors, arena, nread, hollow = _read_local_into(at.store, cid, at.targets)
+        header, tensors, arena, nread, hollow = _read_local_into(
+            at.store, cid, at.targets, at.decoded.get(mine.owner)
+        )
         _raise_if_bad(cid, mine.source, header, _verify_tensors(header, tensors))
         return Retrieved(
             header, tensors, mine.source, source, 0.0, nread, 1, borrowed=True, arena=arena, hollow=hollow
@@ -419,17 +431,18 @@ def _read_local(store: CheckpointStore, cid: CheckpointId):
     return reader.header, arena, n
 
 
-def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping[Any, torch.Tensor]):
+def _read_local_into(
+    store: CheckpointStore, cid: CheckpointId, targets: Mapping[Any, torch.Tensor], hollow: Any = None
+):
     """Borrow mode, the node's own copy: tensors with a target (same dtype/shape, contiguous,
     CPU) are read from the store file straight into it; the others become read-only views of
     a mapping of the segment (only mapped if needed). Returns (header, tensors, mapping or
-    None, bytes, decoded hollow state dict or None)."""
+    None, bytes, decoded hollow state dict or None); ``hollow``: the header's, if decoded already."""
     reader = store.open(cid)
     header = reader.header
     tensors: List[Optional[torch.Tensor]] = [None] * len(header.tensors)
-    hollow = None
     if targets:
-        hollow = MCoreTensorAwareStateDict.from_bytes(header.meta)
+        hollow = hollow or MCoreTensorAwareStateDict.from_bytes(header.meta)
         sids = [st.shard_id for st in hollow.tensor_metadata]
         if len(sids) != len(header.tensors):
             raise CorruptCheckpointError(
@@ -438,13 +451,7 @@ def _read_local_into(store: CheckpointStore, cid: CheckpointId, targets: Mapping
         with open(reader.path, "rb", buffering=0) as f:
             for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
                 t = targets.get(sid)
-                if (
-                    t is None
-                    or t.device.type != "cpu"
-                    or not t.is_contiguous()
-                    or t.dtype != lay.torch_dtype
-                    or tuple(t.shape) != lay.shape
-                ):
+                if not _fits(t, lay):
                     continue
                 if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
                     raise CorruptCheckpointError(f"{reader.path}: short read of tensor {i}")
@@ -476,14 +483,7 @@ def read_local_shards(
             with open(reader.path, "rb", buffering=0) as f:
                 for lay, st in zip(header.tensors, metas):
                     t = wanted.get(st.shard_id)
-                    if (
-                        t is None
-                        or st.shard_id in filled
-                        or t.device.type != "cpu"
-                        or not t.is_contiguous()
-                        or t.dtype != lay.torch_dtype
-                        or tuple(t.shape) != lay.shape
-                    ):
+                    if st.shard_id in filled or not _fits(t, lay):
                         continue
                     if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
                         continue
@@ -502,6 +502,17 @@ def read_local_shards(
         except (StoreError, OSError) as e:
             logger.warning("cannot read %s for local shards: %s", cid.stem(), e)
     return filled
+
+
+def _fits(t: Optional[torch.Tensor], lay: TensorLayout) -> bool:
+    """``t`` can take the stored tensor's bytes by pread: CPU, contiguous, same dtype and shape."""
+    return (
+        t is not None
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.dtype == lay.torch_dtype
+        and tuple(t.shape) == lay.shape
+    )
 
 
 def _pread_into(fd: int, t: torch.Tensor, offset: int) -> int:

@@ -406,11 +406,10 @@ class CheckpointStore:
         """Bytes held: published data, free pool, total; and the filesystem's free bytes."""
         data = free = 0
         for p in _entries(self.dir):
-            if p.suffix == ".data" and _regular(p):
-                data += _size(p)
+            if p.suffix == ".data":
+                data += _regular_size(p)
         for p in _entries(self.free_dir):
-            if _regular(p):
-                free += _size(p)
+            free += _regular_size(p)
         st = os.statvfs(self.dir)
         return {
             "data_bytes": data,
@@ -751,6 +750,15 @@ def _entries(d: Path) -> List[Path]:
         return list(d.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _regular_size(p: Path) -> int:
+    """Size of a regular file (one lstat: links and directories count 0)."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _regular(p: Path) -> bool:

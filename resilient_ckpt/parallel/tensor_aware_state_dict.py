@@ -177,13 +177,16 @@ def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
     return out
 
 
-def _load_facts(template_shards, template_objects, held, held_objects, ckpt_keys, validate) -> dict:
+def _load_facts(
+    template_shards, template_objects, held, held_objects, ckpt_keys, validate, need_all=False
+) -> dict:
     """What one rank contributes to a load's gathered verdict: the shards it holds
-    (``(shard id, dtype name, shape)``), the template shards it needs from others, its
+    (``(shard id, dtype name, shape)``), the template shards it needs from others (``need_all``:
+    every template shard and object, so each is checked against what was saved), its
     objects, the checkpoint keys it knows, the keys it requests, and (``validate``) the
     template's records for the integrity check."""
-    held_ids = {sid for sid, _, _ in held}
-    held_oids = {o.object_id for o in held_objects}
+    held_ids = set() if need_all else {sid for sid, _, _ in held}
+    held_oids = set() if need_all else {o.object_id for o in held_objects}
     facts = dict(
         held=[[sid[0], list(sid[1]), dtype, list(shape)] for sid, dtype, shape in held],
         need=[
@@ -249,20 +252,10 @@ def check_restorable(
         keys = {st.key for h in saved for st in _sharded_tensors(h.sharded_state_dict)}
         keys |= {o.key for o in objects}
         local.update(
-            _load_facts(_sharded_tensors(sharded), _sharded_objects(sharded), held, objects, keys, True)
+            _load_facts(
+                _sharded_tensors(sharded), _sharded_objects(sharded), held, objects, keys, True, need_all=True
+            )
         )
-        # Every template shard is checked against the saved spec (held or not).
-        local["need"] = [
-            [
-                st.key,
-                list(st.global_offset),
-                dtype_name(st.dtype),
-                list(st.local_shape),
-                st.allow_shape_mismatch,
-            ]
-            for st in _sharded_tensors(sharded)
-        ]
-        local["need_obj"] = []
     except Exception as e:  # reported to every rank below
         local_error = e
         local["error"] = f"{type(e).__name__}: {e}"

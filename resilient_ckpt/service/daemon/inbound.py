@@ -405,15 +405,18 @@ class Receiver:
         if self.transfers.get(t.key) is t:
             del self.transfers[t.key]
         t.abort()
+        self._log_aborted(t, reason, received=t.received, total=t.total)
+
+    def _log_aborted(self, t: Inbound, reason: str, **fields) -> None:
+        session, iteration, owner = t.key
         self.ctx.event(
             logging.WARNING,
             "transfer_aborted",
             peer=t.peer,
-            session=t.key[0],
-            iteration=t.key[1],
-            owner=t.key[2],
-            received=t.received,
-            total=t.total,
+            session=session,
+            iteration=iteration,
+            owner=owner,
+            **fields,
             reason=reason,
         )
 
@@ -427,15 +430,7 @@ class Receiver:
             header, already = t.finish(msg.body, msg.frames[0])
         except TransferError as e:
             t.abort()
-            self.ctx.event(
-                logging.WARNING,
-                "transfer_aborted",
-                peer=t.peer,
-                session=t.key[0],
-                iteration=t.key[1],
-                owner=t.key[2],
-                reason=e.text,
-            )
+            self._log_aborted(t, e.text)
             raise
         except BaseException:
             t.abort()
