@@ -3,9 +3,10 @@
 The common state (iteration, args, RNG states, scheduler state, optimizer param_groups,
 ShardedObject payloads, the hollow sharded state dict) is stored in checkpoint headers and
 sent to peers, so decoding must be safe on bytes from the store or the network: nothing is
-unpickled unless the caller passes ``allow_pickle=True``, no module is imported, and any
-malformed input raises :class:`~resilient_ckpt.errors.CodecError` (never another exception;
-memory use stays proportional to the input's size).
+unpickled unless the caller passes ``allow_pickle=True``, no module is imported, stored
+functions and classes are looked up by name and never called, and any malformed input raises
+:class:`~resilient_ckpt.errors.CodecError` (never another exception; memory use stays
+proportional to the input's size).
 
 Layout of an encoding::
 
@@ -41,6 +42,10 @@ code  kind                form    fields / payload
 3     torch.dtype         scalar  name, e.g. b"bfloat16"
 4     torch.device        scalar  str(device), e.g. b"cuda:1"
 5     nested.HOLE         scalar  empty; decodes to the singleton
+6     PurePosixPath       scalar  str(path) as UTF-8 (lone surrogates kept, as "surrogatepass")
+7     PureWindowsPath     scalar  same
+8     PosixPath           scalar  same; on Windows it decodes as a PurePosixPath
+9     WindowsPath         scalar  same; on POSIX it decodes as a PureWindowsPath
 16    tuple               tag     *items
 17    set                 tag     *items
 18    frozenset           tag     *items
@@ -59,9 +64,42 @@ code  kind                form    fields / payload
 31    ShardedObject       tag     map field name -> value (data encoded recursively)
 32    register_type       tag     registered name, plain value
 33    pickled object      tag     "module.qualname" of its type, bin (only with allow_pickle)
+34    function or class   tag     module, qualified name (see "Functions and classes")
+35    functools.partial   tag     func, args (a tuple), keywords (a dict), attributes (a dict)
 ====  ==================  ======  ===========================================================
 
 ``offset`` / ``nbytes`` locate a tensor's or array's bytes in the blob section.
+
+Functions and classes (a trainer's ``args.init_method``, ``activation_func``, a class) are
+stored by name: the module and qualified name under which the decoder's lookup finds that very
+object, checked when encoding (``torch.sigmoid``, whose ``__qualname__`` says
+``_VariableFunctionsClass.sigmoid``, is stored under its ``__name__``). Lambdas, functions and
+classes defined inside a function, and bound methods are refused with the key path; so are a
+few names that would turn stored arguments into commands or code (``eval``, ``exec``,
+``open``, ``getattr``, ..., and everything in ``os``, ``sys``, ``subprocess``, ``shutil``,
+``pickle``, ``importlib``, ``ctypes``, ...: a guard against the obvious, not a sandbox).
+Decoding looks the name up only in modules already imported (``sys.modules``), through the
+module's and classes' ``__dict__``: it never imports, and runs no module ``__getattr__``,
+descriptor or lazy-module loader. A module that is not imported is an error naming the key
+path and the fix, ``import <module> before loading``; the decoder does not return a placeholder
+to resolve later, which would fail far from its cause, the first time the trainer calls it.
+A ``functools.partial`` of such functions keeps its arguments, keywords and attributes
+(encoded like any value). Attributes of a stored Namespace or partial may not be dunder names
+other than ``__name__``, ``__qualname__``, ``__module__``, ``__doc__``: Python looks some up on
+the instance (``copy.deepcopy`` calls ``__deepcopy__``). Enum members are resolved by the same
+lookup. A decoded function runs only when the program calls it: load functions only from
+checkpoints of your own job, as with any stored configuration.
+
+Local-only opt-in: values the codec cannot store (objects of unregistered classes, bound
+methods, ...) raise :class:`CodecError` naming the key path, the type and the fixes. For data
+that never leaves the job, ``encode(obj, allow_pickle=True)`` pickles them and
+``decode(data, allow_pickle=True)`` loads them (unpickling runs code: only for bytes you wrote);
+managers take ``allow_pickle=True`` for the same (``CheckpointManager``,
+``LocalCheckpointManager``). Pickle stores functions and classes by name too, so it does not
+help with lambdas and local definitions.
+
+Adding ExtType codes keeps :data:`FORMAT_VERSION`: a reader that predates a code rejects it
+with ``CodecError`` ("unexpected ExtType code ... (unknown code)"), it never mis-decodes it.
 
 Decoded tensors are contiguous CPU tensors (common-state tensors come back on CPU whatever
 device they were saved from; ``requires_grad`` and ``nn.Parameter`` are kept). Containers
@@ -93,7 +131,7 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
 
     Raises :class:`CodecError` naming the type and key path of anything unsupported.
     With ``allow_pickle=True`` unsupported objects are pickled instead (for data that never
-    leaves this machine: :func:`decode` refuses them unless it is also given
+    leaves this job: :func:`decode` refuses them unless it is also given
     ``allow_pickle=True``).
     """
     return encode_with(obj, allow_pickle, _USER_BY_TYPE)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import collections
 import enum
+import functools
 import math
 import pickle
 import sys
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, Tuple
 
 import msgpack
 import numpy as np
@@ -27,6 +28,9 @@ from .codec_format import (
     _MAX_DIM,
     _MAX_NDIM,
     _NP_CHARS,
+    _PARTIAL_LABELS,
+    _PATH_CLASSES,
+    _REF_FUNCTION_TYPES,
     _SO_FIELDS,
     _ST_FIELDS,
     _TENSOR_DTYPES,
@@ -35,10 +39,12 @@ from .codec_format import (
     FORMAT_VERSION,
     MAGIC,
     MAX_DEPTH,
+    _bad_attribute,
     _ExtType,
     _Fail,
     _path_elem,
-    _resolve_class,
+    _refused_ref,
+    _resolve_name,
     _UserType,
 )
 from .mapping import ShardedObject, ShardedTensor
@@ -58,6 +64,30 @@ def _str(x: Any, what: str) -> str:
     if type(x) is not str:
         raise _Fail(f"{what} at {{path}} must be a str, found {type(x).__name__}")
     return x
+
+
+def _named(module: Any, qualname: Any, what: str) -> Tuple[str, str]:
+    """The module and qualified name fields of a stored enum member or reference."""
+    return _str(module, f"{what} module"), _str(qualname, f"{what} name")
+
+
+def _lookup(module: str, qualname: str, what: str, or_else: str = "") -> Any:
+    """The object ``module.qualname`` names (None if none), from imported modules only."""
+    if module not in sys.modules:
+        module = module[:200]
+        raise _Fail(
+            f"cannot decode the {what} {module}.{qualname[:200]} at {{path}}: module {module!r} "
+            f"is not imported, and decoding never imports (importing runs code). Fix: import "
+            f"{module} before loading{or_else}"
+        )
+    return _resolve_name(module, qualname)
+
+
+def _attributes(attrs: dict, what: str) -> dict:
+    bad = _bad_attribute(attrs)
+    if bad is not None:
+        raise _Fail(f"malformed {what} at {{path}}: {bad}")
+    return attrs
 
 
 def _shape(x: Any) -> tuple:
@@ -101,6 +131,14 @@ class _Decoder:
                 raise _Fail(f"unexpected ExtType code {x.code} at {{path}} {where}")
             return f(x.data)
         raise _Fail(f"unexpected msgpack value of type {t.__name__} at {{path}}")
+
+    def dec_field(self, x: Any, label: str, depth: int) -> Any:
+        """One field of the tagged value at ``depth``, called ``label`` in error paths."""
+        try:
+            return self.dec(x, depth + 1)
+        except _Fail as e:
+            e.path.append(label)
+            raise
 
     def dec_items(self, arr: list, start: int, depth: int) -> list:
         out = []
@@ -199,40 +237,56 @@ class _Decoder:
 
     def dec_namespace(self, arr: list, depth: int) -> argparse.Namespace:
         self.fields(arr, 1, "argparse.Namespace")
-        attrs = self.dec_map(arr[1], depth + 1, {})
-        if any(type(k) is not str for k in attrs):
-            raise _Fail("malformed argparse.Namespace at {path}: non-str attribute name")
+        attrs = _attributes(self.dec_map(arr[1], depth + 1, {}), "argparse.Namespace")
         ns = argparse.Namespace()
-        # Through __dict__, not setattr: a crafted name like "__class__" stays a plain entry.
+        # Through __dict__, not setattr: no descriptor or __setattr__ runs.
         vars(ns).update(attrs)
         return ns
 
     def dec_enum(self, arr: list, depth: int) -> enum.Enum:
         _, module, qualname, value = self.fields(arr, 3, "enum member")
-        module = _str(module, "enum module")
-        qualname = _str(qualname, "enum class name")
-        if module not in sys.modules:
-            raise _Fail(
-                f"cannot decode the enum member of {module}.{qualname} at {{path}}: module "
-                f"{module!r} is not imported, and decoding never imports (importing runs "
-                f"code). Fix: import {module} before loading, or register_type the enum"
-            )
-        cls = _resolve_class(module, qualname)
-        if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+        module, qualname = _named(module, qualname, "enum class")
+        cls = _lookup(module, qualname, "enum member of", ", or register_type the enum")
+        if not (issubclass(type(cls), type) and issubclass(cls, enum.Enum)):
             raise _Fail(
                 f"cannot decode the enum member at {{path}}: {module}.{qualname} is not an Enum "
                 f"class in the imported module. Fix: import the module that defines it before "
                 "loading, or register_type it"
             )
-        try:
-            v = self.dec(value, depth + 1)
-        except _Fail as e:
-            e.path.append(f"<{qualname} value>")
-            raise
+        v = self.dec_field(value, f"<{qualname} value>", depth)
         try:
             return cls(v)
         except Exception:
             raise _Fail(f"stored value at {{path}} is not a member of {module}.{qualname}") from None
+
+    def dec_ref(self, arr: list, depth: int) -> Any:
+        _, module, qualname = self.fields(arr, 2, "reference")
+        module, qualname = _named(module, qualname, "reference")
+        refused = _refused_ref(module, qualname)
+        if refused is not None:
+            raise _Fail(f"refusing to decode the reference at {{path}}: {refused}")
+        obj = _lookup(module, qualname, "reference to")
+        if not (type(obj) in _REF_FUNCTION_TYPES or issubclass(type(obj), type)):
+            found = "nothing" if obj is None else f"a {type(obj).__name__}"
+            raise _Fail(
+                f"cannot decode the reference at {{path}}: {module}.{qualname} names {found} in "
+                "the imported module, not a function or class. Fix: import the module (and "
+                "version) that defines it before loading"
+            )
+        return obj
+
+    def dec_partial(self, arr: list, depth: int) -> functools.partial:
+        self.fields(arr, 4, "functools.partial")
+        func, args, kw, attrs = (
+            self.dec_field(v, label, depth) for v, label in zip(arr[1:], _PARTIAL_LABELS)
+        )
+        if not callable(func) or type(args) is not tuple or type(kw) is not dict or type(attrs) is not dict:
+            raise _Fail("malformed functools.partial at {path}")
+        if any(type(k) is not str for k in kw):
+            raise _Fail("malformed functools.partial at {path}: a non-str keyword")
+        p = functools.partial(func, *args, **kw)
+        vars(p).update(_attributes(attrs, "functools.partial"))
+        return p
 
     def dec_ndarray(self, arr: list, depth: int) -> np.ndarray:
         _, dt, shape, off, n = self.fields(arr, 4, "numpy array")
@@ -313,11 +367,7 @@ class _Decoder:
                 "which is not registered here. Fix: call resilient_ckpt.model.codec.register_type"
                 f"(<class>, {name!r}, to_plain, from_plain) before loading"
             )
-        try:
-            v = self.dec(plain, depth + 1)
-        except _Fail as e:
-            e.path.append(f"<{name}>")
-            raise
+        v = self.dec_field(plain, f"<{name}>", depth)
         try:
             return user.from_plain(v)
         except Exception as e:
@@ -385,12 +435,23 @@ def _dec_hole(b: bytes) -> Any:
     return HOLE
 
 
+def _path_decoder(cls: type) -> Callable[[bytes], Any]:
+    def dec(b: bytes) -> Any:
+        try:
+            return cls(b.decode("utf-8", "surrogatepass"))
+        except Exception:
+            raise _Fail(f"malformed {cls.__name__} at {{path}}") from None
+
+    return dec
+
+
 _SCALAR_DECODERS: Dict[int, Callable[[bytes], Any]] = {
     _X.BIGINT: _dec_bigint,
     _X.COMPLEX: _dec_complex,
     _X.DTYPE: _dec_dtype,
     _X.DEVICE: _dec_device,
     _X.HOLE: _dec_hole,
+    **{code: _path_decoder(cls) for code, cls in _PATH_CLASSES.items()},
 }
 
 _TAG_DECODERS: Dict[int, Callable[[_Decoder, list, int], Any]] = {
@@ -412,6 +473,8 @@ _TAG_DECODERS: Dict[int, Callable[[_Decoder, list, int], Any]] = {
     _X.SHARDED_OBJECT: _Decoder.dec_sharded_object,
     _X.USER: _Decoder.dec_user,
     _X.PICKLE: _Decoder.dec_pickle,
+    _X.REF: _Decoder.dec_ref,
+    _X.PARTIAL: _Decoder.dec_partial,
 }
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import collections
 import enum
+import functools
 import pickle
 import sys
-from typing import Any, Callable, Dict, List, Mapping, Optional
+import types
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import msgpack
 import numpy as np
@@ -25,6 +27,8 @@ from .codec_format import (
     _HEADER,
     _HOLE_EXT,
     _NP_CHARS,
+    _PARTIAL_LABELS,
+    _PATH_CODES,
     _SO_FIELDS,
     _ST_FIELDS,
     _TAG,
@@ -34,10 +38,12 @@ from .codec_format import (
     FORMAT_VERSION,
     MAGIC,
     MAX_DEPTH,
+    _bad_attribute,
     _ExtType,
     _Fail,
     _path_elem,
-    _resolve_class,
+    _refused_ref,
+    _resolve_name,
     _type_name,
     _UserType,
 )
@@ -93,6 +99,76 @@ def _tensor_bytes(x: torch.Tensor) -> memoryview:
 def _np_dtype_str(dt: np.dtype) -> str:
     order = dt.byteorder
     return (_NATIVE_ORDER if order == "=" else order) + dt.char
+
+
+# The local-only way out, named by every "cannot encode" error that pickle could resolve.
+_PICKLE_OPT_IN = (
+    "pass allow_pickle=True to CheckpointManager/LocalCheckpointManager to store it pickled "
+    "(local data only: unpickling runs code; codec.encode and codec.decode take "
+    "allow_pickle=True too, on both sides)"
+)
+
+
+def _check_attributes(attrs: Dict[Any, Any], what: str) -> None:
+    bad = _bad_attribute(attrs)
+    if bad is not None:
+        raise _Fail(f"cannot encode the {what} at {{path}}: it has {bad}")
+
+
+def _ref_kind(x: Any) -> str:
+    if isinstance(x, type):
+        return "class"
+    owner = getattr(x, "__self__", None)  # a builtin's module, or a bound method's object
+    if type(x) is types.MethodType or not (owner is None or isinstance(owner, types.ModuleType)):
+        return "bound method"
+    return "function"
+
+
+def _ref_name(x: Any) -> Tuple[str, str]:
+    """The (module, qualified name) under which the decoder's lookup finds ``x`` itself."""
+    module = getattr(x, "__module__", None)
+    names = (getattr(x, "__qualname__", None), getattr(x, "__name__", None))
+    for name in names:  # torch.sigmoid: __qualname__ is _VariableFunctionsClass.sigmoid
+        if type(module) is str and type(name) is str and _resolve_name(module, name) is x:
+            refused = _refused_ref(module, name)
+            if refused is not None:
+                raise _Fail(
+                    f"refusing to encode the reference at {{path}}: {refused}. Fix: store its "
+                    f"name as a str and look it up yourself, or {_PICKLE_OPT_IN}"
+                )
+            return module, name
+    kind = _ref_kind(x)
+    name = names[0] or names[1] or repr(x)[:60]
+    if type(module) is str:
+        name = f"{module}.{name}"
+    if kind == "bound method":
+        raise _Fail(
+            f"cannot encode the bound method {name} at {{path}}: it carries its object (self), "
+            "and functions are stored by name only. Fix: store the plain function or a "
+            f"functools.partial of a module-level function, or {_PICKLE_OPT_IN}"
+        )
+    raise _Fail(
+        f"cannot encode the {kind} {name} at {{path}}: it cannot be found by that name (a "
+        f"lambda, or defined inside a function?), and functions and classes are stored by name "
+        "only. Fix: define it at module level, or store functools.partial(<module-level "
+        "function>, ...). allow_pickle=True does not help here: pickle stores functions and "
+        "classes by name too"
+    )
+
+
+def _unencodable_message(what: str, tname: str) -> str:
+    msg = (
+        f"cannot encode {what} at {{path}} without pickle. Fix: convert it to plain data "
+        "(containers, numbers, str, bytes, paths, numpy arrays, tensors, module-level functions), "
+        f"or call resilient_ckpt.model.codec.register_type({tname}, name, to_plain, from_plain), "
+        f"or {_PICKLE_OPT_IN}"
+    )
+    if "<locals>" in tname:
+        msg += (
+            ". Pickle cannot store it either while its class is defined inside a function: "
+            "define the class at module level first"
+        )
+    return msg
 
 
 class _Encoder:
@@ -158,19 +234,33 @@ class _Encoder:
         if user is not None:
             self.enc_user(user, x, depth)
             return
+        self.enc_subclassed(x, depth)
+
+    def enc_subclassed(self, x: Any, depth: int) -> None:
+        """Values matched by ``isinstance`` rather than by exact type, and the rest."""
         if isinstance(x, enum.Enum):
             self.enc_enum(x, depth)
             return
+        if isinstance(x, type):
+            self.enc_ref(x, depth)
+            return
         if isinstance(x, np.generic) and x.dtype.char in _NP_CHARS:
-            p.pack_array_header(3)
-            p.pack(_TAG[_X.NPSCALAR])
-            p.pack(_np_dtype_str(x.dtype))
-            p.pack(x.tobytes())
+            self.tagged(_X.NPSCALAR, 2)
+            self.packer.pack(_np_dtype_str(x.dtype))
+            self.packer.pack(x.tobytes())
             return
         why = None
         if isinstance(x, torch.Tensor):
             why = _unsupported_tensor(x)
         self.enc_unknown(x, why)
+
+    def enc_field(self, x: Any, label: str, depth: int) -> None:
+        """One field of the tagged value at ``depth``, called ``label`` in error paths."""
+        try:
+            self.enc(x, depth + 1)
+        except _Fail as e:
+            e.path.append(label)
+            raise
 
     def enc_items(self, items: Any, depth: int) -> None:
         """Array elements after a tag (path elements are indexes)."""
@@ -240,16 +330,14 @@ class _Encoder:
 
     def enc_namespace(self, x: argparse.Namespace, depth: int) -> None:
         attrs = vars(x)
-        for k in attrs:
-            if type(k) is not str:
-                raise _Fail(f"argparse.Namespace at {{path}} has a non-str attribute name {k!r}")
+        _check_attributes(attrs, "argparse.Namespace")
         self.tagged(_X.NAMESPACE, 1)
         self.enc_map(attrs.items(), len(attrs), depth + 1)
 
     def enc_enum(self, x: enum.Enum, depth: int) -> None:
         cls = type(x)
         module, qualname = cls.__module__, cls.__qualname__
-        if _resolve_class(module, qualname) is not cls:
+        if _resolve_name(module, qualname) is not cls:
             raise _Fail(
                 f"cannot encode enum member {x!r} at {{path}}: its class {qualname} cannot be "
                 f"found by name in module {module!r} (defined inside a function?); define it "
@@ -258,11 +346,26 @@ class _Encoder:
         self.tagged(_X.ENUM, 3)
         self.packer.pack(module)
         self.packer.pack(qualname)
+        self.enc_field(x.value, f"<{qualname} value>", depth)
+
+    def enc_ref(self, x: Any, depth: int) -> None:
         try:
-            self.enc(x.value, depth + 1)
-        except _Fail as e:
-            e.path.append(f"<{qualname} value>")
-            raise
+            module, name = _ref_name(x)
+        except _Fail:
+            if not self.allow_pickle:
+                raise
+            self.enc_unknown(x, None)  # pickle may find what the codec's lookup cannot
+            return
+        self.tagged(_X.REF, 2)
+        self.packer.pack(module)
+        self.packer.pack(name)
+
+    def enc_partial(self, x: functools.partial, depth: int) -> None:
+        attrs = vars(x)
+        _check_attributes(attrs, "functools.partial")
+        self.tagged(_X.PARTIAL, 4)
+        for label, v in zip(_PARTIAL_LABELS, (x.func, x.args, x.keywords, attrs)):
+            self.enc_field(v, label, depth)
 
     def enc_ndarray(self, x: np.ndarray, depth: int) -> None:
         if x.dtype.char not in _NP_CHARS:
@@ -323,23 +426,12 @@ class _Encoder:
             ) from e
         self.tagged(_X.USER, 2)
         self.packer.pack(user.name)
-        try:
-            self.enc(plain, depth + 1)
-        except _Fail as e:
-            e.path.append(f"<{user.name}>")
-            raise
+        self.enc_field(plain, f"<{user.name}>", depth)
 
     def enc_unknown(self, x: Any, why: Optional[str]) -> None:
         tname = _type_name(type(x))
         if not self.allow_pickle:
-            what = why or f"object of type {tname}"
-            raise _Fail(
-                f"cannot encode {what} at {{path}} without pickle. Fix: convert it to plain "
-                f"data (containers, numbers, str, bytes, numpy arrays, tensors), or call "
-                f"resilient_ckpt.model.codec.register_type({tname}, name, to_plain, from_plain), or "
-                "pass allow_pickle=True (local-only use: loading then needs allow_pickle=True, "
-                "and pickled data runs code when loaded)"
-            )
+            raise _Fail(_unencodable_message(why or f"object of type {tname}", tname))
         try:
             payload = pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
@@ -364,11 +456,16 @@ def _enc_device(x: torch.device) -> Any:
     return _ExtType(_X.DEVICE, str(x).encode())
 
 
+def _enc_path(x: Any) -> Any:
+    return _ExtType(_PATH_CODES[type(x)], str(x).encode("utf-8", "surrogatepass"))
+
+
 _SCALAR_ENCODERS: Dict[type, Callable[[Any], Any]] = {
     complex: _enc_complex,
     torch.dtype: _enc_dtype,
     torch.device: _enc_device,
     type(HOLE): lambda x: _HOLE_EXT,
+    **{cls: _enc_path for cls in _PATH_CODES},
 }
 
 _ENCODERS: Dict[type, Callable[[_Encoder, Any, int], None]] = {
@@ -386,6 +483,10 @@ _ENCODERS: Dict[type, Callable[[_Encoder, Any, int], None]] = {
     torch.Size: _Encoder.enc_size,
     ShardedTensor: _Encoder.enc_sharded_tensor,
     ShardedObject: _Encoder.enc_sharded_object,
+    types.FunctionType: _Encoder.enc_ref,
+    types.BuiltinFunctionType: _Encoder.enc_ref,
+    types.MethodType: _Encoder.enc_ref,
+    functools.partial: _Encoder.enc_partial,
 }
 # Types with a built-in encoding; register_type refuses them so the format stays fixed.
 _BUILTIN_TYPES = frozenset((*_NATIVE, int, list, dict, tuple, *_SCALAR_ENCODERS, *_ENCODERS))

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import pathlib
 import struct
 import sys
-from typing import Any, Callable, Dict, List
+import types
+from typing import Any, Callable, Dict, List, Optional
 
 import msgpack
 import numpy as np
@@ -41,6 +44,10 @@ class _X(enum.IntEnum):
     DTYPE = 3
     DEVICE = 4
     HOLE = 5
+    PURE_POSIX_PATH = 6
+    PURE_WINDOWS_PATH = 7
+    POSIX_PATH = 8
+    WINDOWS_PATH = 9
     TUPLE = 16
     SET = 17
     FROZENSET = 18
@@ -59,6 +66,8 @@ class _X(enum.IntEnum):
     SHARDED_OBJECT = 31
     USER = 32
     PICKLE = 33
+    REF = 34
+    PARTIAL = 35
 
 
 _ExtType = msgpack.ExtType
@@ -80,6 +89,35 @@ _DEFAULT_FACTORIES: Dict[str, Callable] = {
     for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bytearray, bool)
 }
 _DEFAULT_FACTORY_NAMES = {f: n for n, f in _DEFAULT_FACTORIES.items()}
+
+_PATH_CODES: Dict[type, _X] = {
+    pathlib.PurePosixPath: _X.PURE_POSIX_PATH,
+    pathlib.PureWindowsPath: _X.PURE_WINDOWS_PATH,
+    pathlib.PosixPath: _X.POSIX_PATH,
+    pathlib.WindowsPath: _X.WINDOWS_PATH,
+}
+# The concrete class of the other operating system cannot be instantiated: its pure class.
+_PATH_CLASSES: Dict[int, type] = {
+    _X.PURE_POSIX_PATH: pathlib.PurePosixPath,
+    _X.PURE_WINDOWS_PATH: pathlib.PureWindowsPath,
+    _X.POSIX_PATH: pathlib.PurePosixPath if os.name == "nt" else pathlib.PosixPath,
+    _X.WINDOWS_PATH: pathlib.WindowsPath if os.name == "nt" else pathlib.PureWindowsPath,
+}
+# The fields of a stored functools.partial, as error paths name them.
+_PARTIAL_LABELS = ("<partial func>", "<partial args>", "<partial keywords>", "<partial attributes>")
+
+# What a reference (ExtType REF) may name: functions, builtins and classes.
+_REF_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+# Never stored or loaded by name: called with stored arguments (a functools.partial) they
+# would run commands or code. A guard against the obvious, not a sandbox.
+_REFUSED_REF_MODULES = frozenset(
+    "os posix nt sys subprocess _posixsubprocess shutil importlib pickle _pickle marshal ctypes "
+    "_ctypes runpy code codeop pty socket _socket multiprocessing pdb bdb io _io webbrowser".split()
+)
+_REFUSED_BUILTINS = frozenset(
+    "eval exec compile __import__ breakpoint open input getattr setattr delattr globals locals "
+    "vars exit quit help".split()
+)
 
 _ST_FIELDS = tuple(f.name for f in dataclasses.fields(ShardedTensor))
 _SO_FIELDS = tuple(f.name for f in dataclasses.fields(ShardedObject))
@@ -110,21 +148,54 @@ class _Fail(Exception):
         return CodecError(self.msg.replace("{path}", format_path(tuple(reversed(self.path)))))
 
 
-def _resolve_class(module: str, qualname: str) -> Any:
-    """Look a class up by name among already-imported modules, without running any code
-    (no import, no module ``__getattr__``, no descriptors)."""
-    obj = sys.modules.get(module)
-    if obj is None:
+_DESCRIPTIVE_DUNDERS = frozenset(("__name__", "__qualname__", "__module__", "__doc__"))
+_MODULE_NAMESPACE = types.ModuleType.__dict__["__dict__"].__get__
+_CLASS_NAMESPACE = type.__dict__["__dict__"].__get__
+
+
+def _resolve_name(module: str, qualname: str) -> Any:
+    """The object ``qualname`` names in the already-imported ``module``, or None.
+
+    Runs no code: no import, no module ``__getattr__`` (lazy modules stay unloaded), no
+    descriptor, property or ``isinstance`` hook; module and class namespaces are read through
+    the C-level ``__dict__`` slots. Every dotted part before the last must be a class."""
+    mod = sys.modules.get(module)
+    if not issubclass(type(mod), types.ModuleType):
         return None
-    d = getattr(obj, "__dict__", None)
-    for part in qualname.split("."):
-        if not isinstance(d, (dict, type(type.__dict__))):
+    ns: Any = _MODULE_NAMESPACE(mod)
+    *outer, last = qualname.split(".")
+    for part in outer:
+        cls = ns.get(part)
+        if not issubclass(type(cls), type):  # only classes nest functions and classes
             return None
-        obj = d.get(part)
-        if not isinstance(obj, type):  # only classes nest classes
-            return None
-        d = obj.__dict__
-    return obj
+        ns = _CLASS_NAMESPACE(cls)
+    return ns.get(last)
+
+
+def _bad_attribute(attrs: Dict[Any, Any]) -> Optional[str]:
+    """Why the attributes of a stored Namespace or partial cannot be stored (None if they can).
+
+    Dunder names other than the descriptive ones (``__name__``, ``__doc__``, ...) are refused:
+    Python looks some up on the instance (``copy.deepcopy`` calls an instance's
+    ``__deepcopy__``), so a stored one could make copying the state call a stored function."""
+    for k in attrs:
+        if type(k) is not str:
+            return f"a non-str attribute name of type {type(k).__name__}"
+        if len(k) > 4 and k[:2] == "__" and k[-2:] == "__" and k not in _DESCRIPTIVE_DUNDERS:
+            return f"the attribute {k[:60]!r} (dunder names are refused: Python calls some of them)"
+    return None
+
+
+def _refused_ref(module: str, qualname: str) -> Optional[str]:
+    """Why a reference to ``module.qualname`` is never stored or loaded (None if it may be)."""
+    if module.split(".", 1)[0] in _REFUSED_REF_MODULES or (
+        module == "builtins" and qualname in _REFUSED_BUILTINS
+    ):
+        return (
+            f"{module}.{qualname} is never stored or loaded by name: called with stored "
+            "arguments it could run commands or code"
+        )
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
