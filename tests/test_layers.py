@@ -31,6 +31,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("service",),
     ("persistent",),
     ("manager",),
+    ("dcp",),  # DCP StorageWriter/Reader over the manager
     ("cli", "bench", "demo"),  # the tools
 ]
 # The root package's __init__ (lazy public exports) sits on top: it may import anything.
