@@ -1,0 +1,198 @@
+"""dcp.async_save / dcp.load through MemoryStorageWriter/Reader vs torch's FileSystemWriter/Reader.
+
+Same run, same state dict, same 2 gloo ranks (each its own simulated node: its own store root
+under /dev/shm, replication factor 2): a DDP-style state dict of plain tensors (identical on
+both ranks, so DCP's planner gives each rank about half to write), saved with
+``dcp.async_save`` and loaded back with ``dcp.load``, alternating the two storage layers:
+
+- resilient_ckpt: ``MemoryStorageWriter(manager)`` / ``MemoryStorageReader(manager)``;
+- torch FS: ``FileSystemWriter(<dir on /dev/shm>)`` / ``FileSystemReader(...)``
+  (DCP's defaults: it stages a private CPU copy, then writes files, fsync on).
+
+Per save: the stall (``async_save`` returning), time to durable (its future done: for us,
+stored, checksummed, replicated to the other node and agreed by both ranks; for the file
+system, files and ``.metadata`` written). Per load: ``dcp.load`` into the model's tensors,
+checked bit-exact. Slowest rank of each operation; median over the repeats (one warm-up save
+and load each first, not counted).
+
+Run: ``.venv/bin/python benchmarks/dcp_storage_bench.py [--mib 256] [--tensors 320] [--repeats 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from typing import Dict, List
+
+warnings.filterwarnings("ignore")
+
+
+def _sizes(total_mib: int, count: int) -> List[int]:
+    """``count`` tensor sizes (float32 elements) of varied shape summing to ``total_mib``."""
+    weights = [1 + (i * 7919) % 13 for i in range(count)]  # a deterministic spread, 1..13
+    total = total_mib * (1 << 20) // 4
+    sizes = [max(1, total * w // sum(weights)) for w in weights]
+    sizes[0] += total - sum(sizes)
+    return sizes
+
+
+def _state_dict(sizes: List[int]):
+    import torch
+
+    g = torch.Generator().manual_seed(0)  # identical on both ranks: DDP-style replicas
+    return {"model": {f"layer{i}.weight": torch.randn(n, generator=g) for i, n in enumerate(sizes)}}
+
+
+def _touch(sd, step: int) -> None:
+    """A training step's worth of change (every tensor written in place)."""
+    for t in sd["model"].values():
+        t.add_(float(step))
+
+
+def _timed_save(dcp, sd, writer, cid) -> Dict[str, float]:
+    t0 = time.perf_counter()
+    fut = dcp.async_save(sd, storage_writer=writer, checkpoint_id=cid)
+    stall = time.perf_counter() - t0
+    fut.result()
+    return {"stall": stall, "durable": time.perf_counter() - t0}
+
+
+def _timed_load(dcp, torch, sd, reader, cid) -> float:
+    expected = {k: v.clone() for k, v in sd["model"].items()}
+    for t in sd["model"].values():
+        t.zero_()
+    t0 = time.perf_counter()
+    dcp.load(sd, storage_reader=reader, checkpoint_id=cid)
+    seconds = time.perf_counter() - t0
+    bad = [k for k, v in sd["model"].items() if not torch.equal(v, expected[k])]
+    if bad:
+        raise AssertionError(f"load is not bit-exact: {bad[:3]}")
+    return seconds
+
+
+def _rank(rank: int, world: int, port: int, root: str, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from resilient_ckpt import CheckpointManager
+    from resilient_ckpt.dcp import MemoryStorageReader, MemoryStorageWriter
+
+    torch.set_num_threads(1)  # 2 ranks on the machine's cores, the same for both layers
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    sd = _state_dict(_sizes(args.mib, args.tensors))
+    manager = CheckpointManager(
+        session_id="dcp-bench",
+        store_root=f"{root}/node{rank}",
+        replication_factor=2,
+        ranks_per_node=1,
+        timeout_s=300,
+    )
+    ours_w, ours_r = MemoryStorageWriter(manager), MemoryStorageReader(manager)
+    fs_dir = f"{root}/fs"
+    out: Dict[str, List[float]] = {}
+    for step in range(args.repeats + 1):  # step 0: warm-up
+        for name in ("ours", "fs"):
+            _touch(sd, step + 1)
+            it = 2 * step + (name == "fs")
+            cid = f"{fs_dir}/step-{it}"
+            writer = ours_w if name == "ours" else FileSystemWriter(cid)
+            saved = _timed_save(dcp, sd, writer, cid)
+            reader = ours_r if name == "ours" else FileSystemReader(cid)
+            load = _timed_load(dcp, torch, sd, reader, cid)
+            if step == 0:
+                continue
+            for k, v in {**saved, "load": load}.items():
+                out.setdefault(f"{name}.{k}", []).append(v)
+            if name == "ours":
+                m = ours_w.last_save_metrics
+                out.setdefault("ours.replication", []).append(m.replication_s)
+                out.setdefault("ours.bytes", []).append(m.bytes_staged)
+            if name == "fs" and rank == 0:
+                shutil.rmtree(cid, ignore_errors=True)  # keep /dev/shm to one FS checkpoint
+            dist.barrier()
+    manager.close()
+    dist.destroy_process_group()
+    queue.put((rank, out))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--mib", type=int, default=256, help="state dict size (MiB, float32, identical on both ranks)"
+    )
+    p.add_argument("--tensors", type=int, default=320, help="number of tensors")
+    p.add_argument("--repeats", type=int, default=5, help="measured saves and loads per storage layer")
+    args = p.parse_args(argv)
+    import multiprocessing as mp
+
+    root = tempfile.mkdtemp(prefix="dcp-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port, world = _free_port(), 2
+    procs = [ctx.Process(target=_rank, args=(r, world, port, root, args, queue)) for r in range(world)]
+    try:
+        for proc in procs:
+            proc.start()
+        results = dict(queue.get(timeout=1800) for _ in procs)
+        for proc in procs:
+            proc.join(60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    _report(args, results)
+    return 0
+
+
+def _report(args, results) -> None:
+    def med(key: str) -> float:
+        # Slowest rank of each repeat, then the median over the repeats.
+        per_repeat = zip(*(results[r][key] for r in sorted(results)))
+        return statistics.median(max(v) for v in per_repeat)
+
+    written = [results[r]["ours.bytes"][0] / (1 << 20) for r in sorted(results)]
+    print(
+        f"dcp.async_save / dcp.load, {args.mib} MiB in {args.tensors} float32 tensors (DDP-style, identical "
+        f"on 2 ranks; DCP gives rank 0/1 {written[0]:.0f}/{written[1]:.0f} MiB to write), 2 gloo ranks, "
+        f"median of {args.repeats}, slowest rank"
+    )
+    print(f"{'storage layer':<44}{'stall s':>10}{'durable s':>11}{'load s':>9}")
+    rows = (
+        ("resilient_ckpt MemoryStorageWriter/Reader", "ours"),
+        ("torch FileSystemWriter/Reader (/dev/shm)", "fs"),
+    )
+    for label, key in rows:
+        print(
+            f"{label:<44}{med(key + '.stall'):>10.3f}{med(key + '.durable'):>11.3f}{med(key + '.load'):>9.3f}"
+        )
+    print(
+        f"(ours: durable = stored + checksummed + replicated to the other node ({med('ours.replication'):.3f} s) + agreed)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
