@@ -286,3 +286,93 @@ def test_dcp_save_and_async_save_with_a_bad_checkpoint_id_raise_it(tmp_path):
             dcp.save(sd, storage_writer=MemoryStorageWriter(m), no_dist=True)
         with pytest.raises(ValueError, match="first argument is a CheckpointManager"):
             MemoryStorageWriter("ckpt/step-1")
+
+
+# ---- pure parts: metadata without pickle, who asks the store for what --------------------------
+
+
+def _metadata():
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    rows = [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 4])),
+        ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([2, 4])),
+    ]
+    return Metadata(
+        state_dict_metadata={
+            "model.w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.bfloat16), torch.Size([5, 4]), rows
+            ),
+            "optim.step": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size([]),
+                [ChunkStorageMetadata(torch.Size([]), torch.Size([]))],
+            ),
+            "optim.param_groups": BytesStorageMetadata(),
+        },
+        planner_data={"model.w": ("model", "w"), "optim.param_groups": ("optim", "param_groups")},
+        storage_meta=StorageMeta(checkpoint_id=Path("/ckpt/step-3"), save_id="abc"),
+        version="1.0.0",
+    )
+
+
+def test_dcp_metadata_round_trips_without_pickle():
+    from resilient_ckpt.dcp import decode_metadata, encode_metadata
+
+    md = _metadata()
+    raw = encode_metadata(md)
+    assert b"\x80\x04" not in raw[:2] and b"torch.distributed" not in raw  # no pickle, no class paths
+    back = decode_metadata(raw)
+    assert back.state_dict_metadata == md.state_dict_metadata
+    assert back.planner_data == md.planner_data
+    assert back.storage_meta.checkpoint_id == "/ckpt/step-3" and back.version == "1.0.0"
+
+
+def test_damaged_dcp_metadata_is_a_corrupt_checkpoint_error_naming_the_field():
+    from resilient_ckpt.dcp import decode_metadata
+    from resilient_ckpt.errors import CorruptCheckpointError
+    from resilient_ckpt.model import codec
+
+    with pytest.raises(CorruptCheckpointError, match="does not decode"):
+        decode_metadata(b"not an encoding")
+    tree = codec.decode(__import__("resilient_ckpt.dcp", fromlist=["x"]).encode_metadata(_metadata()))
+    tree["entries"][0]["chunks"][0] = ((0,), (3, 4))
+    with pytest.raises(CorruptCheckpointError, match="'model.w' chunk 0 has 1 offsets"):
+        decode_metadata(codec.encode(tree))
+
+
+def test_each_stored_chunk_has_one_main_reader_and_unread_chunks_of_a_read_key_get_one():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from resilient_ckpt.dcp.payload import assign_reads
+
+    def read(fqn, offset, kind=LoadItemType.TENSOR):
+        idx, zeros = MetadataIndex(fqn, offset), torch.Size([0] * len(offset or ()))
+        return ReadItem(
+            type=kind,
+            dest_index=idx,
+            dest_offsets=zeros,
+            storage_index=idx,
+            storage_offsets=zeros,
+            lengths=zeros,
+        )
+
+    md = _metadata()
+    plans = [
+        [read("model.w", [0, 0]), read("optim.param_groups", None, LoadItemType.BYTE_IO)],  # rank 0
+        [read("model.w", [0, 0]), read("optim.param_groups", None, LoadItemType.BYTE_IO)],  # rank 1
+    ]
+    a = assign_reads(plans, md)
+    assert a[0].main == {("model.w", (0, 0))} and a[1].main == frozenset()
+    assert a[0].main_objects == {"optim.param_groups"} and a[1].main_objects == frozenset()
+    # Nobody reads model.w's rows 3-4 (a partial load): its first reader asks for them too, so
+    # the key's main replicas still tile it; optim.step is read by nobody and stays out.
+    assert a[0].fillers == (("model.w", (3, 0)),) and a[1].fillers == ()
