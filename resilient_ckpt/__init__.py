@@ -16,6 +16,7 @@ from .version import __version__ as __version__  # noqa: E402  (re-exported)
 _LAZY = {
     "MCoreTensorAwareStateDict": ".parallel.tensor_aware_state_dict",
     "CheckpointManager": ".manager.checkpoint_manager",
+    "LocalCheckpointManager": ".manager.local_checkpoint_manager",
     "SaveHandle": ".manager.checkpoint_manager",
     "CheckpointHook": ".manager.hooks",
     "TrainState": ".model.torch_state",
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointHook",
     "CheckpointManager",
     "CheckpointingException",
+    "LocalCheckpointManager",
     "LocalNonpersistentObject",
     "MCoreTensorAwareStateDict",
     "SaveHandle",

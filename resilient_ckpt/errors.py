@@ -20,6 +20,11 @@ class ValidationError(CheckpointingException, ValueError):
     """A sharded state dict is inconsistent (overlap, gap, dtype or shape mismatch, bad key)."""
 
 
+class IterationOrderError(ValidationError, AssertionError):
+    """A save's iteration does not increase. Also an ``AssertionError``: that is what
+    nvidia-resiliency-ext's ``LocalCheckpointManager.save`` raises for it."""
+
+
 class HollowStateError(CheckpointingException):
     """An operation needs tensors but the state dict is hollow (or the reverse)."""
 

@@ -75,14 +75,16 @@ class RankFailed(AssertionError):
 
 def _entry(fn, ctx: RankContext, port: int, args, result_q, timeout_s: float) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(ctx.rank),
-        WORLD_SIZE=str(ctx.world_size),
-        LOCAL_RANK=str(ctx.local_rank),
-        LOCAL_WORLD_SIZE=str(ctx.ranks_per_node),
-        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        **ctx.extra_env,
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(ctx.rank),
+            "WORLD_SIZE": str(ctx.world_size),
+            "LOCAL_RANK": str(ctx.local_rank),
+            "LOCAL_WORLD_SIZE": str(ctx.ranks_per_node),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            **ctx.extra_env,  # a test may override the launcher's variables
+        }
     )
     import torch
     import torch.distributed as dist
@@ -139,12 +141,16 @@ def run_ranks(
     collective_timeout: float = 60.0,
     expect_killed: Sequence[int] = (),
     extra_env: Optional[Dict[str, str]] = None,
+    allow_children: bool = False,
 ) -> List[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; results in rank order.
 
     ``expect_killed`` lists ranks that are meant to SIGKILL themselves; any other rank that
     dies or raises fails the test. Ranks that fail *because* a killed peer vanished are the
     test's business: ``fn`` should catch and return what it observed.
+
+    ``allow_children``: ranks are not daemonic, so they may start processes of their own
+    (checkpoint workers of the async queues); they are still killed on timeout.
     """
     ctx_mp = _mp_context()
     rpn = ranks_per_node or world_size
@@ -154,7 +160,9 @@ def run_ranks(
     for r in range(world_size):
         ctx = RankContext(r, world_size, rpn, str(tmp_root), dict(extra_env or {}))
         p = ctx_mp.Process(
-            target=_entry, args=(fn, ctx, port, tuple(args), q, collective_timeout), daemon=True
+            target=_entry,
+            args=(fn, ctx, port, tuple(args), q, collective_timeout),
+            daemon=not allow_children,
         )
         p.start()
         procs.append(p)

@@ -359,12 +359,15 @@ def test_close_returns_the_spare_segment_and_keeps_checkpoints(tmp_root):
 def test_nvrx_style_save_find_latest_and_load(tmp_root):
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
+    from resilient_ckpt.manager.async_request import LocalAsyncRequest
+
     with _mgr(tmp_root, session_id="nvrx") as m:
         tasd, _ = MCoreTensorAwareStateDict.from_state_dict(_sd(1), algo="fully_parallel")
         assert m.save(tasd, 1, is_async=False) is None
         tasd, _ = MCoreTensorAwareStateDict.from_state_dict(_sd(2), algo="fully_parallel")
         req = m.save(tasd, 2, is_async=True)
-        assert isinstance(req, AsyncRequest)
+        # Our request: the older AsyncRequest's fields, which the queues convert to their class.
+        assert isinstance(req, LocalAsyncRequest) and set(req._fields) < set(AsyncRequest._fields)
         for fn in req.finalize_fns:
             fn()
         assert m.latest_iteration == -1  # invalidated by the save, like nvidia-resiliency-ext

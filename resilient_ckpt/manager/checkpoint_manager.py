@@ -26,25 +26,27 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Callable, Deque, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..errors import ValidationError
+from ..errors import StoreError, ValidationError
 from ..memory.staging import SegmentPrefetcher, Stager
 from ..memory.store import DEFAULT_ROOT, CheckpointStore, validate_session_id
 from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution
-from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.peer import PeerReplicator
 from ..replication.placement import Placement, clique_placement, ring_placement
 from ..replication.replicator import Replicator
 from ..replication.transport import P2PTransport, new_checkpoint_group
+from .async_request import LocalAsyncRequest, SaveDoneSignal, request_for
 from .healing import Healing
 from .loading import LoadPath
 from .metrics import HealMetrics, LoadMetrics, SaveHandle, SaveMetrics
@@ -118,6 +120,9 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         mode: ``"embedded"`` (default: trainers replicate among themselves) or ``"service"``
             (this node's daemon replicates, so replication completes even if the trainer dies;
             implied by ``endpoint``). The store root must be the daemon's ``--store-root``.
+        allow_pickle: store values the pickle-free codec cannot encode (and tensor-aware state
+            dicts other than Megatron-core's) pickled, and unpickle them on load. Only for data
+            that never leaves the job: unpickling runs code.
         endpoint: this node's daemon, e.g. ``tcp://127.0.0.1:7555`` (default from
             ``RESILIENT_CKPT_ENDPOINT``); the job secret comes from ``RESILIENT_CKPT_SECRET`` or
             ``RESILIENT_CKPT_SECRET_FILE``.
@@ -148,6 +153,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         flush_on_sigterm: bool = False,
         mode: Optional[str] = None,
         endpoint: Optional[str] = None,
+        allow_pickle: bool = False,
     ):
         flat = {k: v for k, v in locals().items() if k in FLAT}
         self.options = opts = resolve(
@@ -162,6 +168,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             timeout_s=timeout_s,
             exchange_algo=exchange_algo,
             fault_hook=fault_hook,
+            allow_pickle=allow_pickle,
         )
         self.session_id = _session_id(session_id if session_id is not None else session)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -180,7 +187,10 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         if self.mode == "service":
             self._connect_daemon(service_endpoint(opts))
 
-    def _make_placement(self, rep: ReplicationOptions) -> Placement:
+    #: LocalCheckpointManager: holders on the owner's node are dropped, not refused
+    _skip_same_node = False
+
+    def _make_placement(self, rep: ReplicationOptions, rpn: Optional[int] = None) -> Placement:
         factor = rep.factor
         if self.world_size == 1 and factor > 1:
             logger.warning(
@@ -189,8 +199,45 @@ class CheckpointManager(SavePath, LoadPath, Healing):
                 factor,
             )
             factor = 1
-        make = ring_placement if rep.placement == "ring" else clique_placement
-        return make(self.world_size, factor, rep.jump, ranks_per_node=ranks_per_node(self.options))
+        rpn = rpn or ranks_per_node(self.options)
+        if rep.placement == "ring":
+            return ring_placement(self.world_size, factor, rep.jump, ranks_per_node=rpn)
+        return clique_placement(self.world_size, factor, rep.jump, rpn, skip_same_node=self._skip_same_node)
+
+    def _check_shared_stores(self) -> None:
+        """Ranks sharing one store (one node's tmpfs) must count as one node: a replica sent to
+        a rank of the owner's own store would land on the owner's own files. Collective (once,
+        with the groups). When the placement's ranks per node (LOCAL_WORLD_SIZE) split ranks
+        that share a store into different nodes, the sharing decides, if it forms contiguous
+        equal blocks; otherwise the layout is refused with the fix."""
+        st = os.stat(self.store.dir)
+        mine = [socket.gethostname(), st.st_dev, st.st_ino]
+        everyone = [tuple(x) for x in collectives.all_gather_msgpack(mine, self._control)]
+        p = self.placement
+        first: dict = {}
+        for r, e in enumerate(everyone):
+            first.setdefault(e, r)
+        if all(p.node_of(r) == p.node_of(first[e]) for r, e in enumerate(everyone)):
+            return
+        rpn = everyone.count(everyone[0])
+        blocks = all(everyone[r] == everyone[(r // rpn) * rpn] for r in range(self.world_size))
+        if not blocks or len(set(everyone)) != -(-self.world_size // rpn):
+            raise StoreError(
+                f"ranks share stores in a pattern that is not contiguous blocks of ranks per node "
+                f"(store of each rank: {[sorted(set(everyone)).index(e) for e in everyone]}); give "
+                "each node's ranks consecutive ranks (torchrun does) or one store_root per rank"
+            )
+        logger.warning(
+            "ranks 0-%d share the store %s (one node) but ranks_per_node/LOCAL_WORLD_SIZE is %d: "
+            "treating every %d consecutive ranks as one node, so no replica lands in its owner's "
+            "own store; set LOCAL_WORLD_SIZE=%d to silence this",
+            rpn - 1,
+            self.store.dir,
+            p.ranks_per_node,
+            rpn,
+            rpn,
+        )
+        self.placement = self._make_placement(self.options.replication, rpn)
 
     def _init_state(self) -> None:
         """Threads, groups (created on first use) and the bookkeeping of saves and loads."""
@@ -250,6 +297,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             # exchange on the data group, and two threads must never interleave on one group.
             self._control = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
             self._par_group = self._mirror_parallelization_group()
+            self._check_shared_stores()
             self._transport = P2PTransport(self._group, timeout=self.timeout_s)
             if self._replicator is None:
                 self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)
@@ -314,17 +362,21 @@ class CheckpointManager(SavePath, LoadPath, Healing):
 
     # ---- nvidia-resiliency-ext LocalCheckpointManager compatibility ---------------------------
 
-    def save(self, state_dict: MCoreTensorAwareStateDict, iteration: int, is_async: bool = False):
-        """``LocalCheckpointManager.save``: returns an nvidia-resiliency-ext ``AsyncRequest``
-        when ``is_async`` (its work runs in our own thread; the finalize step waits and raises)."""
+    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> Optional[LocalAsyncRequest]:
+        """``LocalCheckpointManager.save``. Returns once the state is staged in the node's store
+        (the optimizer may then change the tensors). ``is_async=False``: once the save is
+        complete on every rank. ``is_async=True``: an ``AsyncRequest`` for Megatron's
+        ``AsyncCallsQueue`` whose worker-side function returns when our save thread has finished
+        (so a non-blocking finalize poll never waits on replication) and whose finalize raises
+        if the save failed (see ``manager.async_request``)."""
         handle = self.save_local(state_dict, iteration, is_async=True)
         handle.wait_staged()
         if not is_async:
             handle.wait()
             return None
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-
-        return AsyncRequest(_noop, (), [lambda: handle.wait() and None])
+        signal = SaveDoneSignal(self.store.dir / f".save-{self.rank}-{iteration}-{os.getpid()}.inflight")
+        handle.add_done_callback(signal.set)
+        return request_for(Path(signal.path), lambda: _finalized(handle))
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -380,5 +432,5 @@ def _is_world(group) -> bool:
     return group is dist.GroupMember.WORLD or group is dist.group.WORLD
 
 
-def _noop() -> None:
-    return None
+def _finalized(handle: SaveHandle) -> None:
+    handle.wait()

@@ -26,6 +26,7 @@ from ..memory.store import CheckpointId
 from ..model.nested import map_leaves
 from ..model.validation import StrictHandling
 from ..parallel import collectives
+from ..parallel.opaque_state_dict import is_opaque, load_opaque
 from ..parallel.tensor_aware_state_dict import (
     MCoreTensorAwareStateDict,
     check_restorable,
@@ -144,13 +145,15 @@ class LoadPath:
         read locally, not over the network."""
         extra: Dict[Any, torch.Tensor] = {}
         for owner, (hdr, views) in retrieved.serving.items():
-            replica = retrieved.decoded.get(owner) or MCoreTensorAwareStateDict.from_bytes(hdr.meta)
+            replica = retrieved.decoded.get(owner) or self._hollow(hdr.meta)
             extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
         if targets and retrieved.served_by is None:
             own = {st.shard_id for st in tasd.tensor_metadata}
             wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
             if wanted:
-                extra.update(read_local_shards(self.store, iteration, wanted, skip_owner=self.rank))
+                extra.update(
+                    read_local_shards(self.store, iteration, wanted, self.rank, self.options.allow_pickle)
+                )
         return extra
 
     def _check_template(
@@ -174,7 +177,7 @@ class LoadPath:
             for f in plan:
                 if f.source == self.rank:
                     header = self.store.read_header(CheckpointId(iteration, f.owner, self.session_id))
-                    decoded[f.owner] = MCoreTensorAwareStateDict.from_bytes(header.meta)
+                    decoded[f.owner] = self._hollow(header.meta)
             saved = list(decoded.values())
         except (CheckpointingException, OSError) as e:
             logger.debug("cannot vouch for iteration %d before restoring it: %s", iteration, e)
@@ -335,6 +338,7 @@ class LoadPath:
                     borrow=borrow,
                     targets=targets,
                     decoded=decoded,
+                    allow_pickle=self.options.allow_pickle,
                 )
                 return retrieved, iteration, holdings
             except (CorruptCheckpointError, NoReplicaError) as e:
@@ -376,7 +380,11 @@ class LoadPath:
             )
         tasd = self._decode(retrieved, iteration)
         self._heal_after_restore()
-        return tasd, (iteration, self.rank, self.session_id)
+        return tasd, self.ckpt_id(iteration)
+
+    def ckpt_id(self, iteration: int) -> Tuple[int, int, str]:
+        """The id ``load()`` returns with the state: ``(iteration, rank, session_id)``."""
+        return (iteration, self.rank, self.session_id)
 
     def _drop_abandoned(self, newer_than: int) -> None:
         """Discard this node's checkpoints newer than the iteration being restored: saves that
@@ -408,6 +416,19 @@ class LoadPath:
             except OSError as e:
                 logger.warning("could not discard %s: %s", cid.stem(), e)
 
+    def _hollow(self, meta: bytes) -> MCoreTensorAwareStateDict:
+        """A checkpoint's hollow state dict (pickled values only if this manager allows them)."""
+        return MCoreTensorAwareStateDict.from_bytes(meta, allow_pickle=self.options.allow_pickle)
+
+    def _rebuild(self, retrieved: Retrieved) -> MCoreTensorAwareStateDict:
+        tasd = retrieved.hollow or self._hollow(retrieved.header.meta)
+        if retrieved.served_by is not None:
+            # Lost node: the holder of the replica serves this rank's shards in the exchange.
+            return tasd.holding_nothing()
+        tasd.insert_tensors(retrieved.tensors)
+        _restore_devices(tasd)
+        return tasd
+
     def _decode(self, retrieved: Retrieved, iteration: int) -> MCoreTensorAwareStateDict:
         """The restored state dict, with tensors on their devices. Collective: a rank that cannot
         decode its checkpoint makes every rank raise (never some ranks loading while others
@@ -415,13 +436,10 @@ class LoadPath:
         tasd = None
         local: Optional[BaseException] = None
         try:
-            tasd = retrieved.hollow or MCoreTensorAwareStateDict.from_bytes(retrieved.header.meta)
-            if retrieved.served_by is not None:
-                # Lost node: the holder of the replica serves this rank's shards in the exchange.
-                tasd = tasd.holding_nothing()
+            if is_opaque(retrieved.header.meta):
+                tasd = load_opaque(retrieved.tensors[0], self.options.allow_pickle)
             else:
-                tasd.insert_tensors(retrieved.tensors)
-                _restore_devices(tasd)
+                tasd = self._rebuild(retrieved)
         except Exception as e:
             local = e
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..memory.staging import StagingHandle
 
@@ -81,6 +81,10 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the save has finished, either way (now, if it has)."""
+        self._future.add_done_callback(lambda _f: fn())
 
     def wait(self, timeout: Optional[float] = None) -> SaveMetrics:
         """Block until stored + replicated + agreed complete; raises CheckpointingException."""

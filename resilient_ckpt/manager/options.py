@@ -64,6 +64,7 @@ class ManagerOptions:
     timeout_s: float = 120.0
     exchange_algo: str = "p2p"
     fault_hook: Optional[Callable[[str], None]] = None
+    allow_pickle: bool = False
     mode: str = "embedded"
     replication: ReplicationOptions = ReplicationOptions()
     persistent: PersistentOptions = PersistentOptions()

@@ -185,6 +185,7 @@ def retrieve(
     borrow: bool = False,
     targets: Optional[Mapping[Any, torch.Tensor]] = None,
     decoded: Optional[Mapping[int, Any]] = None,
+    allow_pickle: bool = False,
 ) -> Retrieved:
     """Bring this rank's checkpoint of ``iteration`` into memory, verified.
 
@@ -196,6 +197,7 @@ def retrieve(
     receiver's tensors. ``targets`` (borrow mode; shard id -> tensor, e.g. the template's):
     tensors of the node's own copy are read straight into them — one copy, no new pages.
     ``decoded``: owner -> its hollow state dict, already decoded by the caller (not again).
+    ``allow_pickle``: the manager's opt-in, for decoding headers here.
 
     Local-first, then the least-loaded remote holder; copies failing their checksum are
     excluded and the plan is redone on every rank together.
@@ -211,7 +213,9 @@ def retrieve(
     for attempt in range(1, MAX_ATTEMPTS + 1):
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
-        at = _Attempt(store, holdings, iteration, me, borrow, serving, targets or {}, decoded or {})
+        at = _Attempt(
+            store, holdings, iteration, me, borrow, serving, targets or {}, decoded or {}, allow_pickle
+        )
         result, all_failed = _run_attempt(at, plan, transport, group)
         if result is not None and done is None:
             result.attempts = attempt
@@ -281,6 +285,7 @@ class _Attempt:
     serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]]
     targets: Mapping[Any, torch.Tensor]
     decoded: Mapping[int, Any]
+    allow_pickle: bool = False
 
     def cid(self, owner: int) -> CheckpointId:
         return CheckpointId(self.iteration, owner, self.store.session)
@@ -366,7 +371,7 @@ def _from_node(at: _Attempt, mine: Fetch) -> Retrieved:
     source = "local" if mine.source == at.me else "node"
     if at.borrow:
         header, tensors, arena, nread, hollow = _read_local_into(
-            at.store, cid, at.targets, at.decoded.get(mine.owner)
+            at.store, cid, at.targets, at.decoded.get(mine.owner), at.allow_pickle
         )
         _raise_if_bad(cid, mine.source, header, _verify_tensors(header, tensors))
         return Retrieved(
@@ -432,7 +437,11 @@ def _read_local(store: CheckpointStore, cid: CheckpointId):
 
 
 def _read_local_into(
-    store: CheckpointStore, cid: CheckpointId, targets: Mapping[Any, torch.Tensor], hollow: Any = None
+    store: CheckpointStore,
+    cid: CheckpointId,
+    targets: Mapping[Any, torch.Tensor],
+    hollow: Any = None,
+    allow_pickle: bool = False,
 ):
     """Borrow mode, the node's own copy: tensors with a target (same dtype/shape, contiguous,
     CPU) are read from the store file straight into it; the others become read-only views of
@@ -442,7 +451,7 @@ def _read_local_into(
     header = reader.header
     tensors: List[Optional[torch.Tensor]] = [None] * len(header.tensors)
     if targets:
-        hollow = hollow or MCoreTensorAwareStateDict.from_bytes(header.meta)
+        hollow = hollow or MCoreTensorAwareStateDict.from_bytes(header.meta, allow_pickle=allow_pickle)
         sids = [st.shard_id for st in hollow.tensor_metadata]
         if len(sids) != len(header.tensors):
             raise CorruptCheckpointError(
@@ -466,7 +475,11 @@ def _read_local_into(
 
 
 def read_local_shards(
-    store: CheckpointStore, iteration: int, wanted: Mapping[Any, torch.Tensor], skip_owner: int
+    store: CheckpointStore,
+    iteration: int,
+    wanted: Mapping[Any, torch.Tensor],
+    skip_owner: int,
+    allow_pickle: bool = False,
 ) -> Dict[Any, torch.Tensor]:
     """Fill ``wanted`` (shard id -> target tensor) from other owners' checkpoints of
     ``iteration`` in this node's store, straight into the targets, each verified against its
@@ -479,7 +492,7 @@ def read_local_shards(
         try:
             reader = store.open(cid)
             header = reader.header
-            metas = MCoreTensorAwareStateDict.from_bytes(header.meta).tensor_metadata
+            metas = MCoreTensorAwareStateDict.from_bytes(header.meta, allow_pickle).tensor_metadata
             with open(reader.path, "rb", buffering=0) as f:
                 for lay, st in zip(header.tensors, metas):
                     t = wanted.get(st.shard_id)

@@ -19,11 +19,18 @@ from typing import Any, Iterator, List, Optional
 
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
-from ..errors import CheckpointingException, ReplicationError, StoreError, ValidationError
+from ..errors import (
+    CheckpointingException,
+    IterationOrderError,
+    ReplicationError,
+    StoreError,
+    ValidationError,
+)
 from ..memory import checksum
 from ..memory.staging import StagingHandle
 from ..memory.store import CheckpointHeader, CheckpointId, Segment, plan_layout
 from ..parallel import collectives
+from ..parallel.opaque_state_dict import OpaqueStateDict
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
@@ -155,7 +162,9 @@ class SavePath:
         if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
             # Megatron-LM hands Megatron-core's class to a LocalCheckpointManager.
             self._kind = "tasd"
-            return MCoreTensorAwareStateDict.adapt(state_dict)
+            if MCoreTensorAwareStateDict.can_adapt(state_dict):
+                return MCoreTensorAwareStateDict.adapt(state_dict)
+            return OpaqueStateDict(state_dict, self.options.allow_pickle)
         tasd, distribution = MCoreTensorAwareStateDict.from_state_dict(
             state_dict,
             algo="fully_parallel",
@@ -177,7 +186,7 @@ class SavePath:
         staged.staging = self._stager.stage(tensors, staged.segment, layouts)
         popped = tasd.pop_tensors()
         try:
-            meta = tasd.to_bytes()
+            meta = tasd.to_bytes(allow_pickle=self.options.allow_pickle)
         finally:
             tasd.insert_tensors(popped)
         staged.header = CheckpointHeader(
@@ -289,7 +298,7 @@ class SavePath:
         if not 0 <= iteration <= MAX_ITERATION:
             raise ValidationError(f"iteration {iteration} outside [0, 2**63-1]")
         if iteration <= self._last_saved:
-            raise ValidationError(
+            raise IterationOrderError(
                 f"iteration {iteration} does not increase (last saved or restored: "
                 f"{self._last_saved}); iterations going backwards would overwrite newer state — "
                 "pass the training step, which only grows"

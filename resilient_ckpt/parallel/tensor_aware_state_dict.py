@@ -388,15 +388,20 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         return self._saved_sharded_tensors()
 
     @classmethod
+    def can_adapt(cls, tasd: Any) -> bool:
+        """Ours, or shaped like Megatron-core's class (common state + a sharded state dict)."""
+        return isinstance(tasd, cls) or all(
+            hasattr(tasd, a) for a in ("common", "sharded_state_dict", "is_hollow")
+        )
+
+    @classmethod
     def adapt(cls, tasd: Any) -> "MCoreTensorAwareStateDict":
         """Ours, unchanged; or Megatron-core's ``MCoreTensorAwareStateDict`` (what Megatron-LM
         hands a local checkpoint manager) converted to ours: same common state, its ShardedTensors
         adapted, the shards it kept data for are the saved ones. Tensors are not copied."""
         if isinstance(tasd, cls):
             return tasd
-        if not (
-            hasattr(tasd, "common") and hasattr(tasd, "sharded_state_dict") and hasattr(tasd, "is_hollow")
-        ):
+        if not cls.can_adapt(tasd):
             raise ValidationError(
                 f"expected a sharded state dict or an MCoreTensorAwareStateDict, got {type(tasd).__name__}"
             )
@@ -501,8 +506,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     # ---- serialization of the hollow form ------------------------------------------------
 
-    def to_bytes(self) -> bytes:
-        """msgpack encoding of a hollow instance (metadata + common state; no tensor bytes)."""
+    def to_bytes(self, allow_pickle: bool = False) -> bytes:
+        """msgpack encoding of a hollow instance (metadata + common state; no tensor bytes).
+        ``allow_pickle``: values the codec cannot encode are pickled (local data only)."""
         if not self._is_hollow and any(self._saved):
             raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
         return codec.encode(
@@ -511,12 +517,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 "sharded": self.sharded_state_dict,
                 "saved": list(self._saved),
                 "devices": list(self._devices),
-            }
+            },
+            allow_pickle=allow_pickle,
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "MCoreTensorAwareStateDict":
-        d = codec.decode(data)
+    def from_bytes(cls, data: bytes, allow_pickle: bool = False) -> "MCoreTensorAwareStateDict":
+        """Inverse of ``to_bytes``; pickled values only with ``allow_pickle`` (runs code)."""
+        d = codec.decode(data, allow_pickle=allow_pickle)
         try:
             inst = cls(
                 common=d["common"],

@@ -63,6 +63,10 @@ class Placement:
     jump: int
     ranks_per_node: int
     kind: str = RING
+    #: clique only: a group member on the owner's node is dropped from its holders (the node's
+    #: store holds the owner's data already) instead of refusing the placement — what
+    #: nvidia-resiliency-ext's jump 1 on one host amounts to (LocalCheckpointManager).
+    skip_same_node: bool = False
     _holders: Tuple[Tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _sources: Tuple[Tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
@@ -80,7 +84,9 @@ class Placement:
         if self.kind == RING:
             holders = _ring(self.world_size, self.replication_factor, self.jump, self.ranks_per_node)
         else:
-            holders = _clique(self.world_size, self.replication_factor, self.jump, self.ranks_per_node)
+            holders = _clique(
+                self.world_size, self.replication_factor, self.jump, self.ranks_per_node, self.skip_same_node
+            )
         sources: List[List[int]] = [[] for _ in range(self.world_size)]
         for src, hs in enumerate(holders):
             for h in hs:
@@ -153,10 +159,13 @@ def clique_placement(
     replication_factor: int = 2,
     jump: Optional[int] = None,
     ranks_per_node: Optional[int] = None,
+    skip_same_node: bool = False,
 ) -> Placement:
     """nvidia-resiliency-ext's clique groups ``{n, n+J, …}``; needs ``W % (J·F) == 0``."""
     rpn = _default_ranks_per_node() if ranks_per_node is None else ranks_per_node
-    return Placement(world_size, replication_factor, rpn if jump is None else jump, rpn, CLIQUE)
+    return Placement(
+        world_size, replication_factor, rpn if jump is None else jump, rpn, CLIQUE, skip_same_node
+    )
 
 
 def placement_from_env(
@@ -342,20 +351,31 @@ def clique_groups(world_size: int, factor: int, jump: int) -> List[Tuple[int, ..
     return sorted(groups)
 
 
-def _clique(world_size: int, factor: int, jump: int, rpn: int) -> List[List[int]]:
+def _clique(
+    world_size: int, factor: int, jump: int, rpn: int, skip_same_node: bool = False
+) -> List[List[int]]:
     holders: List[List[int]] = [[] for _ in range(world_size)]
     for group in clique_groups(world_size, factor, jump):
         nodes = [r // rpn for r in group]
+        if skip_same_node:
+            for r in group:
+                holders[r] = [h for h in _clique_order(group, r) if h // rpn != r // rpn]
+            continue
         if len(set(nodes)) != len(nodes):
             raise ReplicationError(
                 f"clique placement with jump {jump} puts ranks {list(group)} (nodes {nodes}) in "
                 f"one replica group, so copies would share a node with ranks_per_node={rpn}; "
                 f"use a jump that is a multiple of ranks_per_node ({rpn})"
             )
-        for i, r in enumerate(group):
-            # Preference order: the members after r, wrapping around.
-            holders[r] = [group[(i + k) % factor] for k in range(1, factor)]
+        for r in group:
+            holders[r] = _clique_order(group, r)
     return holders
+
+
+def _clique_order(group: Tuple[int, ...], r: int) -> List[int]:
+    """Preference order of ``r``'s holders: the members after r, wrapping around."""
+    i = group.index(r)
+    return [group[(i + k) % len(group)] for k in range(1, len(group))]
 
 
 # --------------------------------------------------------------------------------------------
