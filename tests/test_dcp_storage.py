@@ -169,7 +169,9 @@ def _load(ctx, kind: str, checkpoint_id=None, persistent_dir=None):
     _train(app, 1)  # optimizer state exists (the shapes DCP loads into), with other values
     manager = _manager(ctx, persistent_dir=persistent_dir)
     reader = MemoryStorageReader(manager)
+    found = reader.find_latest()  # what dcp.load will load (its first step, kept for it)
     dcp.load({"app": app}, storage_reader=reader, checkpoint_id=checkpoint_id)
+    assert found == reader.iteration
     sources = (reader.metadata_load_metrics.source, reader.last_load_metrics.source)
     iteration = reader.iteration
     manager.close()
@@ -271,7 +273,7 @@ def test_dcp_save_and_async_save_with_a_bad_checkpoint_id_raise_it(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from resilient_ckpt import CheckpointManager
-    from resilient_ckpt.dcp import MemoryStorageWriter
+    from resilient_ckpt.dcp import MemoryStorageReader, MemoryStorageWriter
 
     with CheckpointManager(session_id="bad-id", store_root=str(tmp_path), replication_factor=1) as m:
         writer = MemoryStorageWriter(m)
@@ -286,6 +288,10 @@ def test_dcp_save_and_async_save_with_a_bad_checkpoint_id_raise_it(tmp_path):
             dcp.save(sd, storage_writer=MemoryStorageWriter(m), no_dist=True)
         with pytest.raises(ValueError, match="first argument is a CheckpointManager"):
             MemoryStorageWriter("ckpt/step-1")
+        with pytest.raises(ValueError, match="does not end in digits"):
+            MemoryStorageReader(m, checkpoint_id="ckpt/latest")
+        # An empty store: nothing to load, said before dcp.load is tried.
+        assert MemoryStorageReader(m).find_latest() is None
 
 
 # ---- pure parts: metadata without pickle, who asks the store for what --------------------------

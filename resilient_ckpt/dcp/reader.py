@@ -81,6 +81,8 @@ class MemoryStorageReader(ManagerBacked, StorageReader):
         #: the manager's metrics of step 1 (the metadata's restore: it shows where the newest
         #: checkpoint was found; healing after it may put a lost node's data back before step 2)
         self.metadata_load_metrics: Optional[LoadMetrics] = None
+        #: what find_latest restored, for the next read_metadata
+        self._found: Optional[Tuple[Metadata, int]] = None
         self._metadata: Optional[Metadata] = None
         self._load_id = uuid.uuid4().hex
         if checkpoint_id is not None:
@@ -98,30 +100,32 @@ class MemoryStorageReader(ManagerBacked, StorageReader):
         self._metadata = None
         self.iteration = None
 
+    def find_latest(self) -> Optional[int]:
+        """The iteration the next ``dcp.load`` through this reader loads — the newest complete
+        one in memory, or the persistent tier's when memory holds nothing newer — or None when
+        there is none (a first start). Collective. It is the load's first step (the metadata's
+        restore), kept for that ``dcp.load``, so checking first costs nothing extra."""
+        self._found = self._restore_metadata()
+        return None if self._found is None else self._found[1]
+
     # No **kwargs: DCP would then retry a failed read_metadata as "rank-local metadata",
     # a second collective restore.
     def read_metadata(self) -> Metadata:
         """The newest complete checkpoint's DCP metadata (collective: every rank restores
-        together). Raises if there is none, or if it is not the one ``checkpoint_id`` names."""
-        out = self.manager.load_local(metadata_template(self.manager.rank))
-        if out is None:
+        together, unless :meth:`find_latest` just did). Raises if there is none, or if it is not
+        the one ``checkpoint_id`` names."""
+        found, self._found = self._found, None
+        if found is None:
+            found = self._restore_metadata()
+        if found is None:
             raise CheckpointingException(self._nothing_to_load())
-        state, iteration = out
-        self.metadata_load_metrics = self.manager.last_load_metrics
-        version = state.get(FORMAT_KEY)
-        if not isinstance(version, int) or not 1 <= version <= PAYLOAD_VERSION:
-            raise ForeignCheckpointError(
-                f"iteration {iteration} of session {self.manager.session_id!r} was not saved by "
-                f"MemoryStorageWriter (payload version {version!r}); load it with "
-                "CheckpointManager.load_local instead"
-            )
+        md, iteration = found
         if self.expected_iteration is not None and iteration != self.expected_iteration:
             raise ValidationError(
                 f"checkpoint_id {self._checkpoint_id!r} names iteration {self.expected_iteration}, "
                 f"but the newest complete checkpoint is iteration {iteration}; the store restores "
                 "its newest complete iteration only: pass checkpoint_id=None (or that step)"
             )
-        md = decode_metadata(state["metadata"])
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self._load_id
@@ -225,6 +229,22 @@ class MemoryStorageReader(ManagerBacked, StorageReader):
             ):
                 direct[key] = target
         return targets, direct
+
+    def _restore_metadata(self) -> Optional[Tuple[Metadata, int]]:
+        """Step 1 of a load: restore the metadata object only (collective)."""
+        out = self.manager.load_local(metadata_template(self.manager.rank))
+        if out is None:
+            return None
+        state, iteration = out
+        self.metadata_load_metrics = self.manager.last_load_metrics
+        version = state.get(FORMAT_KEY)
+        if not isinstance(version, int) or not 1 <= version <= PAYLOAD_VERSION:
+            raise ForeignCheckpointError(
+                f"iteration {iteration} of session {self.manager.session_id!r} was not saved by "
+                f"MemoryStorageWriter (payload version {version!r}); load it with "
+                "CheckpointManager.load_local instead"
+            )
+        return decode_metadata(state["metadata"]), iteration
 
     def _nothing_to_load(self) -> str:
         m = self.manager
