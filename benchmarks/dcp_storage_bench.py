@@ -107,25 +107,36 @@ def _rank(rank: int, world: int, port: int, root: str, args, queue) -> None:
     ours_w, ours_r = MemoryStorageWriter(manager), MemoryStorageReader(manager)
     fs_dir = f"{root}/fs"
     out: Dict[str, List[float]] = {}
+
+    def keep(name: str, values: Dict[str, float]) -> None:
+        for k, v in values.items():
+            out.setdefault(f"{name}.{k}", []).append(v)
+
+    # Saves first, then loads: a training loop saves many times after its one restore, and the
+    # store's steady state (recycled, already-mapped segments) is what each save meets there.
+    last_fs = None
     for step in range(args.repeats + 1):  # step 0: warm-up
+        _touch(sd, step + 1)  # both layers save the same values (the loads check them)
         for name in ("ours", "fs"):
-            _touch(sd, step + 1)
-            it = 2 * step + (name == "fs")
-            cid = f"{fs_dir}/step-{it}"
-            writer = ours_w if name == "ours" else FileSystemWriter(cid)
-            saved = _timed_save(dcp, sd, writer, cid)
-            reader = ours_r if name == "ours" else FileSystemReader(cid)
-            load = _timed_load(dcp, torch, sd, reader, cid)
-            if step == 0:
-                continue
-            for k, v in {**saved, "load": load}.items():
-                out.setdefault(f"{name}.{k}", []).append(v)
-            if name == "ours":
-                m = ours_w.last_save_metrics
-                out.setdefault("ours.replication", []).append(m.replication_s)
-                out.setdefault("ours.bytes", []).append(m.bytes_staged)
-            if name == "fs" and rank == 0:
-                shutil.rmtree(cid, ignore_errors=True)  # keep /dev/shm to one FS checkpoint
+            cid = f"{fs_dir}/step-{2 * step + (name == 'fs')}"
+            saved = _timed_save(dcp, sd, ours_w if name == "ours" else FileSystemWriter(cid), cid)
+            if step:
+                keep(name, saved)
+                if name == "ours":
+                    m = ours_w.last_save_metrics
+                    keep("ours", {"replication": m.replication_s, "bytes": m.bytes_staged})
+            if name == "fs":
+                dist.barrier()
+                if rank == 0 and last_fs is not None:
+                    shutil.rmtree(last_fs, ignore_errors=True)  # /dev/shm holds one FS checkpoint
+                last_fs = cid
+    last_ours = f"{fs_dir}/step-{2 * args.repeats}"
+    for step in range(args.repeats + 1):
+        for name in ("ours", "fs"):
+            reader = ours_r if name == "ours" else FileSystemReader(last_fs)
+            load = _timed_load(dcp, torch, sd, reader, last_ours if name == "ours" else last_fs)
+            if step:
+                keep(name, {"load": load})
             dist.barrier()
     manager.close()
     dist.destroy_process_group()
@@ -156,7 +167,7 @@ def main(argv=None) -> int:
     try:
         for proc in procs:
             proc.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
+        results = _collect(queue, procs)
         for proc in procs:
             proc.join(60)
     finally:
@@ -166,6 +177,24 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     _report(args, results)
     return 0
+
+
+def _collect(queue, procs) -> Dict[int, Dict[str, List[float]]]:
+    """Each rank's figures; a rank that died fails the run at once instead of a long wait."""
+    import queue as queue_mod
+
+    results: Dict[int, Dict[str, List[float]]] = {}
+    while len(results) < len(procs):
+        try:
+            rank, out = queue.get(timeout=1.0)
+            results[rank] = out
+        except queue_mod.Empty:
+            dead = [i for i, proc in enumerate(procs) if i not in results and proc.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(
+                    f"rank(s) {dead} failed (exit codes {[procs[i].exitcode for i in dead]}); see above"
+                ) from None
+    return results
 
 
 def _report(args, results) -> None:
