@@ -7,6 +7,8 @@ Messages name the offending key/file/peer and the fix.
 
 from __future__ import annotations
 
+import sys
+
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
     CheckpointingException as _NrxCheckpointingException,
 )
@@ -23,6 +25,31 @@ class ValidationError(CheckpointingException, ValueError):
 class IterationOrderError(ValidationError, AssertionError):
     """A save's iteration does not increase. Also an ``AssertionError``: that is what
     nvidia-resiliency-ext's ``LocalCheckpointManager.save`` raises for it."""
+
+
+class StrictnessError(ValidationError):
+    """A load's keys differ from the checkpoint's under a raising ``StrictHandling``."""
+
+
+_MCORE_STRICTNESS: dict = {}
+
+
+def strictness_error(message: str) -> StrictnessError:
+    """A :class:`StrictnessError` that is also Megatron-core's ``CheckpointingException`` when
+    Megatron-core is loaded (its strict-load callers catch that class) — looked up, never
+    imported: resilient_ckpt does not depend on Megatron-core."""
+    mcore = sys.modules.get("megatron.core.dist_checkpointing.core")
+    base = getattr(mcore, "CheckpointingException", None)
+    if not (isinstance(base, type) and issubclass(base, Exception)):
+        return StrictnessError(message)
+    cls = _MCORE_STRICTNESS.get(base)
+    if cls is None:
+        cls = _MCORE_STRICTNESS[base] = type(
+            "StrictnessError",
+            (StrictnessError, base),
+            {"__module__": __name__, "__doc__": StrictnessError.__doc__},
+        )
+    return cls(message)
 
 
 class HollowStateError(CheckpointingException):

@@ -413,3 +413,13 @@ def test_arbitrary_reference_and_partial_fields_raise_only_codec_error_and_impor
             continue
         assert callable(out)  # a function, class or partial of one: nothing else gets through
     assert set(sys.modules) <= before
+
+
+def test_a_simple_namespace_round_trips_as_itself():
+    """Megatron's tests (and some trainers) keep args in a types.SimpleNamespace."""
+    import types
+
+    args = types.SimpleNamespace(lr=3e-4, nested=argparse.Namespace(seq=2048), dtype=torch.bfloat16)
+    out = decode(encode({"args": args}))["args"]
+    assert type(out) is types.SimpleNamespace and type(out.nested) is argparse.Namespace
+    assert vars(out) == {"lr": 3e-4, "nested": argparse.Namespace(seq=2048), "dtype": torch.bfloat16}

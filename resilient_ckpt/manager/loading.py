@@ -53,6 +53,13 @@ class LoadPath:
         self._raise_if_only_foreign(holdings)
         complete = holdings.complete_iterations(self.world_size)
         self.latest_iteration = complete[0] if complete else -1
+        if self.latest_iteration < self._last_saved:
+            # What this job saved above it is not restorable any more (copies lost, a save
+            # that failed): the job resumes from older state (or the persistent tier) and may
+            # save those iterations again, as with the reference; the next save first retires
+            # whatever is left of them (same decision on every rank: gathered holdings).
+            self._last_saved = self.latest_iteration
+            self._started = self._restored = False
         return self.latest_iteration
 
     def _raise_if_only_foreign(self, holdings: Holdings) -> None:

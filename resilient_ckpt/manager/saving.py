@@ -359,6 +359,7 @@ class SavePath:
                 replicating = True
                 out.received = self._replicate(header, job.segment, m)
             self._fault("after_replication")
+            self._check_published([header.id, *out.received])
             out.ok = True
         except BaseException as e:  # reported after agreement, so peers are not left waiting
             out.error = e
@@ -372,6 +373,19 @@ class SavePath:
             except Exception as e:
                 logger.debug("failed save of iteration %d: exchange: %s", job.iteration, e)
         return out
+
+    def _check_published(self, cids: List[CheckpointId]) -> None:
+        """Read back what this rank is about to vote complete: a write that failed silently
+        (a full or misbehaving file system, a lost rename) must fail the save on every rank,
+        not surface as a missing copy at restore time. (Existence only: parsing a header of
+        50k tensors costs more than the rest of the check is worth.)"""
+        for cid in cids:
+            path = self.store.header_path(cid)
+            if not (path.is_file() and path.stat().st_size > 0):
+                raise StoreError(
+                    f"{path} is missing after it was published: the store's file system lost the "
+                    "write; check free space and errors of /dev/shm (dmesg)"
+                )
 
     def _agree(self, job: _SaveJob, group, out: "_Outcome") -> bool:
         """One all-reduce: complete on every rank or not (a failing rank still votes)."""

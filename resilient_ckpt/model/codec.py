@@ -66,6 +66,7 @@ code  kind                form    fields / payload
 33    pickled object      tag     "module.qualname" of its type, bin (only with allow_pickle)
 34    function or class   tag     module, qualified name (see "Functions and classes")
 35    functools.partial   tag     func, args (a tuple), keywords (a dict), attributes (a dict)
+36    SimpleNamespace     tag     map attribute -> value (in order), as argparse.Namespace
 ====  ==================  ======  ===========================================================
 
 ``offset`` / ``nbytes`` locate a tensor's or array's bytes in the blob section.

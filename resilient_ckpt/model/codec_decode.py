@@ -13,6 +13,7 @@ import functools
 import math
 import pickle
 import sys
+import types
 from typing import Any, Callable, Dict, Mapping, Tuple
 
 import msgpack
@@ -235,10 +236,12 @@ class _Decoder:
             raise _Fail("malformed defaultdict at {path}: unknown default_factory")
         return self.dec_map(m, depth + 1, collections.defaultdict(factory))
 
-    def dec_namespace(self, arr: list, depth: int) -> argparse.Namespace:
-        self.fields(arr, 1, "argparse.Namespace")
-        attrs = _attributes(self.dec_map(arr[1], depth + 1, {}), "argparse.Namespace")
-        ns = argparse.Namespace()
+    def dec_namespace(self, arr: list, depth: int) -> Any:
+        cls = types.SimpleNamespace if arr[0].code == _X.SIMPLE_NAMESPACE else argparse.Namespace
+        what = f"{cls.__module__}.{cls.__qualname__}"
+        self.fields(arr, 1, what)
+        attrs = _attributes(self.dec_map(arr[1], depth + 1, {}), what)
+        ns = cls()
         # Through __dict__, not setattr: no descriptor or __setattr__ runs.
         vars(ns).update(attrs)
         return ns
@@ -464,6 +467,7 @@ _TAG_DECODERS: Dict[int, Callable[[_Decoder, list, int], Any]] = {
     _X.ODICT: _Decoder.dec_odict,
     _X.DEFAULTDICT: _Decoder.dec_defaultdict,
     _X.NAMESPACE: _Decoder.dec_namespace,
+    _X.SIMPLE_NAMESPACE: _Decoder.dec_namespace,
     _X.ENUM: _Decoder.dec_enum,
     _X.NDARRAY: _Decoder.dec_ndarray,
     _X.NPSCALAR: _Decoder.dec_npscalar,

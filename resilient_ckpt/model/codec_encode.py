@@ -328,10 +328,12 @@ class _Encoder:
         self.packer.pack(name)
         self.enc_map(x.items(), len(x), depth + 1)
 
-    def enc_namespace(self, x: argparse.Namespace, depth: int) -> None:
+    def enc_namespace(self, x: Any, depth: int) -> None:
+        """argparse.Namespace or types.SimpleNamespace (Megatron's args are either)."""
+        simple = type(x) is types.SimpleNamespace
         attrs = vars(x)
-        _check_attributes(attrs, "argparse.Namespace")
-        self.tagged(_X.NAMESPACE, 1)
+        _check_attributes(attrs, f"{type(x).__module__}.{type(x).__qualname__}")
+        self.tagged(_X.SIMPLE_NAMESPACE if simple else _X.NAMESPACE, 1)
         self.enc_map(attrs.items(), len(attrs), depth + 1)
 
     def enc_enum(self, x: enum.Enum, depth: int) -> None:
@@ -477,6 +479,7 @@ _ENCODERS: Dict[type, Callable[[_Encoder, Any, int], None]] = {
     collections.OrderedDict: _Encoder.enc_odict,
     collections.defaultdict: _Encoder.enc_defaultdict,
     argparse.Namespace: _Encoder.enc_namespace,
+    types.SimpleNamespace: _Encoder.enc_namespace,
     np.ndarray: _Encoder.enc_ndarray,
     torch.Tensor: _Encoder.enc_tensor,
     torch.nn.Parameter: _Encoder.enc_tensor,

@@ -68,6 +68,7 @@ class _X(enum.IntEnum):
     PICKLE = 33
     REF = 34
     PARTIAL = 35
+    SIMPLE_NAMESPACE = 36
 
 
 _ExtType = msgpack.ExtType

@@ -13,7 +13,7 @@ from collections import defaultdict
 from enum import Enum
 from typing import Dict, Iterable, List, Sequence, Set, Tuple, Union
 
-from ..errors import ValidationError
+from ..errors import ValidationError, strictness_error
 
 # A compact, msgpack-able description of one local shard, gathered from every rank:
 # (key, global_offset, local_extent_per_global_axis, global_shape, dtype_name, is_main,
@@ -259,21 +259,28 @@ def apply_strictness(strict: StrictHandling, missing: Set[str], unexpected: Set[
             f" (+{len(ks) - _MAX_REPORTED} more)" if len(ks) > _MAX_REPORTED else ""
         )
 
-    if (
-        strict
-        in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL, StrictHandling.ASSUME_OK_UNEXPECTED)
-        and unexpected
-    ):
-        raise ValidationError(
-            f"keys requested but not in the checkpoint: {names(unexpected)}; fix: remove them from "
-            "the state dict you load into, or pass strict='log_unexpected' to skip them"
-        )
-    if strict == StrictHandling.RAISE_ALL and missing:
-        raise ValidationError(
-            f"checkpoint keys not requested by the state dict: {names(missing)}; fix: add them, or "
-            "pass strict='log_all' to ignore them"
-        )
+    # Megatron-core's words ("Missing keys", "Unexpected keys"), which its users grep for,
+    # with what they mean spelled out.
+    missing_text = f"Missing keys (in the checkpoint, not requested by the state dict): {names(missing)}"
+    unexpected_text = (
+        f"Unexpected keys (requested by the state dict, not in the checkpoint): {names(unexpected)}"
+    )
+    raise_unexpected = bool(unexpected) and strict in (
+        StrictHandling.RAISE_UNEXPECTED,
+        StrictHandling.RAISE_ALL,
+        StrictHandling.ASSUME_OK_UNEXPECTED,
+    )
+    raise_missing = bool(missing) and strict == StrictHandling.RAISE_ALL
+    if raise_unexpected or raise_missing:
+        parts = [missing_text] if raise_missing else []
+        fixes = [
+            "add the missing keys to the state dict, or pass strict='log_all' to ignore them"
+        ] * raise_missing
+        if raise_unexpected:
+            parts.append(unexpected_text)
+            fixes.append("remove the unexpected keys, or pass strict='log_unexpected' to skip them")
+        raise strictness_error(". ".join(parts) + ". Fix: " + "; ".join(fixes))
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and unexpected:
-        log.warning("skipping keys absent from the checkpoint: %s", names(unexpected))
+        log.warning("%s (skipped)", unexpected_text)
     if strict == StrictHandling.LOG_ALL and missing:
-        log.warning("checkpoint keys not requested (left out of the result): %s", names(missing))
+        log.warning("%s (left out of the result)", missing_text)

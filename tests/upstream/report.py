@@ -48,7 +48,7 @@ UPSTREAM = {
     ),
     "test_mcore_local::test_sharded_tensors": (
         "test_local.py::TestLocalCheckpointing::test_sharded_tensors",
-        "same (our TASD)",
+        "D5",
     ),
     "test_mcore_local::test_basic_save_load_scenarios": (
         "test_local.py::TestLocalCheckpointing::test_basic_save_load_scenarios",
