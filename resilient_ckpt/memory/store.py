@@ -18,6 +18,7 @@ a VM). New segments are ``posix_fallocate``-d (~8x faster than faulting pages on
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -29,6 +30,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -51,6 +53,7 @@ _MAX_HEADER_BYTES = 1 << 30
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _NAME = re.compile(r"^iter_(\d{20})\.owner_(\d{6})\.(data|hdr)$")
 SMALL_SHM_BYTES = 1 << 30
+_PARSED_HEADERS = 64  # per store: a node's ranks x a few retained iterations
 # Unique file names within a process: two threads (prefetcher, replication) may reserve in the
 # same nanosecond, and O_CREAT on a shared name would hand both the same file.
 _UNIQUE = itertools.count()
@@ -376,6 +379,14 @@ class CheckpointStore:
                     "directory)"
                 )
         self._lock_path = self.dir / ".lock"
+        # Parsed headers by path, valid while the file is the same one (inode, size, mtime):
+        # a restore reads each header several times (holdings, checks, retrieval, decode), and
+        # one of a 50k-tensor checkpoint takes ~0.5 s to parse. Published headers are never
+        # rewritten in place (a new one is renamed over it: a new inode).
+        self._parsed: "collections.OrderedDict[Path, Tuple[Tuple[int, int, int], CheckpointHeader]]" = (
+            collections.OrderedDict()
+        )
+        self._parsed_lock = threading.Lock()
         _warn_if_small_shm(self.root)
 
     # ---- locking -------------------------------------------------------------------------
@@ -594,10 +605,9 @@ class CheckpointStore:
     def read_header(self, cid: CheckpointId) -> CheckpointHeader:
         path = self.header_path(cid)
         try:
-            raw = path.read_bytes()
+            header = self._parse_header(path)
         except FileNotFoundError:
             raise StoreError(f"no checkpoint {cid.stem()} in {self.dir}") from None
-        header = CheckpointHeader.unpack(raw, source=str(path))
         if header.session != self.session:
             raise ForeignCheckpointError(
                 f"{path} belongs to session {header.session!r}, this store serves session "
@@ -614,6 +624,22 @@ class CheckpointStore:
                 f"{self.world_size}; it cannot be restored here (restore with the original world "
                 "size, or drop the store with `resilient-ckpt drop`)"
             )
+        return header
+
+    def _parse_header(self, path: Path) -> CheckpointHeader:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            with self._parsed_lock:  # the save thread and the caller's thread share the store
+                hit = self._parsed.get(path)
+                if hit is not None and hit[0] == key:
+                    self._parsed.move_to_end(path)
+                    return hit[1]
+            header = CheckpointHeader.unpack(f.read(), source=str(path))
+        with self._parsed_lock:
+            self._parsed[path] = (key, header)
+            while len(self._parsed) > _PARSED_HEADERS:
+                self._parsed.popitem(last=False)
         return header
 
     def open(self, cid: CheckpointId) -> CheckpointReader:
