@@ -20,6 +20,10 @@ def _demo(argv: List[str]) -> int:
 
 def _bench(argv: List[str]) -> int:
     extras.require("bench")
+    if "--control-plane" in argv:  # the control-plane benchmark (docs/control-plane.md)
+        from ..bench import control_plane
+
+        return control_plane.main([a for a in argv if a != "--control-plane"])
     from ..bench import runner
 
     return runner.main(argv) or 0
@@ -81,7 +85,11 @@ def _convert(argv: List[str]) -> int:
 
 COMMANDS = {
     "demo": (_demo, "run the main job: lose a node mid-training, restore, prove bit-exactness"),
-    "bench": (_bench, "side-by-side benchmark against nvidia-resiliency-ext + Megatron-core"),
+    "bench": (
+        _bench,
+        "side-by-side benchmark against nvidia-resiliency-ext + Megatron-core "
+        "(--control-plane: per-phase metadata costs)",
+    ),
     "serve": (_serve, "run this node's checkpoint daemon (store, replication, fetches, metrics)"),
     "status": (_status, "a node daemon's health: store usage, peers, in-flight replications, rejects"),
     "ls": (_ls, "list the checkpoints a node holds (from its daemon or directly from its store)"),
