@@ -41,6 +41,7 @@ import msgpack
 import torch
 
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, StoreError, StoreFullError
+from ..gc_pause import paused_gc
 from . import checksum
 
 logger = logging.getLogger(__name__)
@@ -144,36 +145,41 @@ class CheckpointHeader:
     def unpack(cls, raw: bytes, source: str = "header") -> "CheckpointHeader":
         """Parse and verify; any defect is a CorruptCheckpointError naming ``source``."""
         try:
-            body, digest = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_HEADER_BYTES)
-            if checksum.digest(body) != digest:
-                raise CorruptCheckpointError(f"{source}: header checksum mismatch (torn or corrupted)")
-            d = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=_MAX_HEADER_BYTES)
-            if d.get("magic") != MAGIC:
-                raise CorruptCheckpointError(f"{source}: not a resilient_ckpt header")
-            version = d["format_version"]
-            if version != FORMAT_VERSION:
-                raise ForeignCheckpointError(
-                    f"{source}: store format version {version}, this build reads version "
-                    f"{FORMAT_VERSION}; restore with a matching resilient_ckpt or start fresh"
-                )
-            return cls(
-                session=str(d["session"]),
-                iteration=int(d["iteration"]),
-                owner=int(d["owner"]),
-                world_size=int(d["world_size"]),
-                tensors=tuple(TensorLayout.unpack(t) for t in d["tensors"]),
-                data_nbytes=int(d["data_nbytes"]),
-                meta=bytes(d["meta"]),
-                replication=dict(d.get("replication") or {}),
-                format_version=version,
-                checksum_algo=str(d["checksum_algo"]),
-                created_ns=int(d["created_ns"]),
-                writer=str(d.get("writer", "")),
-            )
+            with paused_gc():  # one TensorLayout per tensor: 50k small objects
+                return cls._parse(raw, source)
         except (CorruptCheckpointError, ForeignCheckpointError):
             raise
         except Exception as e:  # msgpack errors, missing keys, wrong types
             raise CorruptCheckpointError(f"{source}: malformed header ({type(e).__name__}: {e})") from e
+
+    @classmethod
+    def _parse(cls, raw: bytes, source: str) -> "CheckpointHeader":
+        body, digest = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_HEADER_BYTES)
+        if checksum.digest(body) != digest:
+            raise CorruptCheckpointError(f"{source}: header checksum mismatch (torn or corrupted)")
+        d = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=_MAX_HEADER_BYTES)
+        if d.get("magic") != MAGIC:
+            raise CorruptCheckpointError(f"{source}: not a resilient_ckpt header")
+        version = d["format_version"]
+        if version != FORMAT_VERSION:
+            raise ForeignCheckpointError(
+                f"{source}: store format version {version}, this build reads version "
+                f"{FORMAT_VERSION}; restore with a matching resilient_ckpt or start fresh"
+            )
+        return cls(
+            session=str(d["session"]),
+            iteration=int(d["iteration"]),
+            owner=int(d["owner"]),
+            world_size=int(d["world_size"]),
+            tensors=tuple(TensorLayout.unpack(t) for t in d["tensors"]),
+            data_nbytes=int(d["data_nbytes"]),
+            meta=bytes(d["meta"]),
+            replication=dict(d.get("replication") or {}),
+            format_version=version,
+            checksum_algo=str(d["checksum_algo"]),
+            created_ns=int(d["created_ns"]),
+            writer=str(d.get("writer", "")),
+        )
 
 
 def plan_layout(specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[List[TensorLayout], int]:

@@ -119,6 +119,7 @@ import threading
 from typing import Any, Callable, Dict
 
 from ..errors import CodecError
+from ..gc_pause import paused_gc
 from .codec_decode import decode_with
 from .codec_encode import _BUILTIN_TYPES, encode_with
 from .codec_format import FORMAT_VERSION, MAX_DEPTH, _type_name, _UserType
@@ -135,7 +136,8 @@ def encode(obj: Any, *, allow_pickle: bool = False) -> bytes:
     leaves this job: :func:`decode` refuses them unless it is also given
     ``allow_pickle=True``).
     """
-    return encode_with(obj, allow_pickle, _USER_BY_TYPE)
+    with paused_gc():
+        return encode_with(obj, allow_pickle, _USER_BY_TYPE)
 
 
 def decode(data: Any, *, allow_pickle: bool = False) -> Any:
@@ -145,7 +147,8 @@ def decode(data: Any, *, allow_pickle: bool = False) -> Any:
     Any malformed input raises :class:`CodecError`. Pickled values are refused unless
     ``allow_pickle=True`` (only for data you wrote yourself: unpickling runs code).
     """
-    return decode_with(data, allow_pickle, _USER_BY_NAME)
+    with paused_gc():
+        return decode_with(data, allow_pickle, _USER_BY_NAME)
 
 
 # --- registry of user types ----------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointingException, CollectiveTimeoutError, PeerFailedError
+from ..gc_pause import paused_gc
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
@@ -77,7 +78,8 @@ def all_gather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) 
 def all_gather_msgpack(obj: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
     """all_gather of plain msgpack-able values (ints, strings, lists, dicts, bytes)."""
     raw = all_gather_bytes(msgpack.packb(obj, use_bin_type=True), group)
-    return [msgpack.unpackb(r, raw=False, strict_map_key=False, use_list=True) for r in raw]
+    with paused_gc():  # W ranks' metadata: many small objects, none garbage
+        return [msgpack.unpackb(r, raw=False, strict_map_key=False, use_list=True) for r in raw]
 
 
 def broadcast_msgpack(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
