@@ -133,10 +133,13 @@ class LoadPath:
 
     def _fill(self, tasd, template, strict, extra):
         """The template filled through the load exchange (collective; this manager's groups)."""
+        checked = template is not None and self._integrity_checked_for is template
+        self._integrity_checked_for = None
         return tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
             algo="fully_parallel",
             exchange_algo=self.exchange_algo,
+            validate_access_integrity=not checked,
             parallelization_group=self._parallel_group(),
             strict=strict,
             load_into_template=True,
@@ -189,9 +192,12 @@ class LoadPath:
         except (CheckpointingException, OSError) as e:
             logger.debug("cannot vouch for iteration %d before restoring it: %s", iteration, e)
             decoded = {}
-        check_restorable(
+        checked = check_restorable(
             template, saved, self._parallel_group(), strict, validation_group=self._control_group()
         )
+        # The fill into this template need not validate its integrity again (a world-wide
+        # gather and check of every shard record: seconds at 50k tensors).
+        self._integrity_checked_for = template if checked else None
         return decoded
 
     def _warn_unrestorable(self, holdings: Holdings) -> None:

@@ -224,7 +224,7 @@ def check_restorable(
     strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     validation_group: Optional[dist.ProcessGroup] = None,
     local_error: Optional[BaseException] = None,
-) -> None:
+) -> bool:
     """Decide, before any byte of a restore is written, whether :meth:`to_state_dict` into
     ``template`` will pass its checks (collective over ``group``; ``validation_group`` as for
     :meth:`MCoreTensorAwareStateDict.from_state_dict`).
@@ -234,7 +234,9 @@ def check_restorable(
     not matter: the checks depend on their union; None: this rank cannot vouch for its share,
     and every rank skips the checks, which then run inside the load). Every template shard counts as needed, so
     its dtype and shape are checked against what was saved. Raises on every rank together
-    (a rank whose preparation failed passes ``local_error``)."""
+    (a rank whose preparation failed passes ``local_error``). Returns whether the checks ran
+    (the same on every rank): then the template's sharding integrity is established and
+    ``to_state_dict`` into the same template may skip it (``validate_access_integrity=False``)."""
     group = _default_group(group)
     local = {"rank": _my_global_rank(), "error": None, "unknown": saved is None}
     saved = saved or []
@@ -262,8 +264,9 @@ def check_restorable(
     scope, members = _gather(local, group, world_scope=True, scope_group=validation_group)
     _raise_first_error(scope, local_error)
     if any(g["unknown"] for g in scope) or not any(g["requested"] for g in members):
-        return
+        return False
     _load_verdict(scope, members, collectives.group_rank(group), strict, True, True, _SilentLog)
+    return True
 
 
 @dataclass
