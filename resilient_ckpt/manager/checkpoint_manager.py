@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,7 +58,7 @@ from .options import (
     resolve,
     service_endpoint,
 )
-from .restore import Holdings
+from .restore import Holdings, store_identity
 from .saving import FAULT_POINTS, MAX_ITERATION, SavePath
 
 __all__ = [
@@ -210,9 +209,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         with the groups). When the placement's ranks per node (LOCAL_WORLD_SIZE) split ranks
         that share a store into different nodes, the sharing decides, if it forms contiguous
         equal blocks; otherwise the layout is refused with the fix."""
-        st = os.stat(self.store.dir)
-        mine = [socket.gethostname(), st.st_dev, st.st_ino]
-        everyone = [tuple(x) for x in collectives.all_gather_msgpack(mine, self._control)]
+        everyone = collectives.all_gather_msgpack(store_identity(self.store), self._control)
         p = self.placement
         first: dict = {}
         for r, e in enumerate(everyone):
