@@ -492,7 +492,7 @@ def read_local_shards(
         try:
             reader = store.open(cid)
             header = reader.header
-            metas = MCoreTensorAwareStateDict.from_bytes(header.meta, allow_pickle).tensor_metadata
+            metas = MCoreTensorAwareStateDict.saved_metadata_from_bytes(header.meta, allow_pickle)
             with open(reader.path, "rb", buffering=0) as f:
                 for lay, st in zip(header.tensors, metas):
                     t = wanted.get(st.shard_id)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from ..errors import HollowStateError, ValidationError
-from ..model import codec
+from ..model import codec, shard_table
 from ..model.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -175,6 +175,44 @@ def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
         if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
             out.setdefault(st.shard_id, d)
     return out
+
+
+#: ``to_bytes`` format with the sharded tree split into skeleton + shard table (1: whole tree).
+HOLLOW_FORMAT = 2
+
+
+def hollow_parts(sharded: Any) -> Tuple[Any, List[tuple], List[ShardedObject]]:
+    """The sharded tree as ``(skeleton, shard table rows, objects)`` (see ``to_bytes``)."""
+    rows: List[tuple] = []
+    objects: List[ShardedObject] = []
+
+    def strip(v):
+        if isinstance(v, ShardedTensor):
+            rows.append(shard_table.shard_row(v))
+            return len(rows) - 1
+        if isinstance(v, ShardedObject):
+            objects.append(v)
+            return -len(objects)
+        return v
+
+    return map_leaves(strip, sharded), rows, objects
+
+
+def encode_hollow(common, skeleton: bytes, table: bytes, objects, saved, devices, allow_pickle) -> bytes:
+    """The hollow bytes from their parts; a cached save passes the skeleton and table it
+    encoded before, so only the common state and the objects are encoded again."""
+    return codec.encode(
+        {
+            "format": HOLLOW_FORMAT,
+            "common": common,
+            "skeleton": skeleton,
+            "shards": table,
+            "objects": list(objects),
+            "saved": bytes(saved),
+            "devices": list(devices),
+        },
+        allow_pickle=allow_pickle,
+    )
 
 
 def _load_facts(
@@ -511,34 +549,65 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     def to_bytes(self, allow_pickle: bool = False) -> bytes:
         """msgpack encoding of a hollow instance (metadata + common state; no tensor bytes).
-        ``allow_pickle``: values the codec cannot encode are pickled (local data only)."""
+        ``allow_pickle``: values the codec cannot encode are pickled (local data only).
+
+        Format 2: the sharded tree is stored as a *skeleton* whose ShardedTensor leaves are
+        their index in a shard table (:mod:`..model.shard_table`, packed in C) and whose
+        ShardedObject leaves are ``-1 - j`` for the j-th object of ``objects`` (a sharded tree
+        holds no other ints). See :func:`hollow_parts`, which a cached save reuses."""
         if not self._is_hollow and any(self._saved):
             raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
-        return codec.encode(
-            {
-                "common": self.common,
-                "sharded": self.sharded_state_dict,
-                "saved": list(self._saved),
-                "devices": list(self._devices),
-            },
-            allow_pickle=allow_pickle,
+        skeleton, rows, objects = hollow_parts(self.sharded_state_dict)
+        return encode_hollow(
+            self.common,
+            codec.encode(skeleton),
+            shard_table.encode_rows(rows),
+            objects,
+            self._saved,
+            self._devices,
+            allow_pickle,
         )
 
     @classmethod
     def from_bytes(cls, data: bytes, allow_pickle: bool = False) -> "MCoreTensorAwareStateDict":
-        """Inverse of ``to_bytes``; pickled values only with ``allow_pickle`` (runs code)."""
+        """Inverse of ``to_bytes``; pickled values only with ``allow_pickle`` (runs code).
+        Reads format 1 (the whole sharded tree through the codec) too."""
         d = codec.decode(data, allow_pickle=allow_pickle)
         try:
+            if d.get("format") == HOLLOW_FORMAT:
+                shards = shard_table.decode_shards(d["shards"])
+                objects = d["objects"]
+                sharded = map_leaves_inplace(
+                    lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v,
+                    codec.decode(d["skeleton"]),
+                )
+                saved = tuple(bool(s) for s in d["saved"])
+            else:
+                sharded = d["sharded"]
+                saved = tuple(bool(s) for s in d["saved"])
             inst = cls(
                 common=d["common"],
-                sharded_state_dict=d["sharded"],
+                sharded_state_dict=sharded,
                 _is_hollow=True,
-                _saved=tuple(bool(s) for s in d["saved"]),
+                _saved=saved,
                 _devices=list(d["devices"]),
             )
-        except (KeyError, TypeError) as e:
-            raise ValidationError(f"hollow state dict bytes lack field {e}") from e
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ValidationError(f"hollow state dict bytes lack field {e} or hold it damaged") from e
         return inst
+
+    @staticmethod
+    def saved_metadata_from_bytes(data: bytes, allow_pickle: bool = False) -> List[ShardedTensor]:
+        """:attr:`tensor_metadata` of the hollow ``data`` without rebuilding its tree (what a
+        holder of a replica needs to serve its shards)."""
+        d = codec.decode(data, allow_pickle=allow_pickle)
+        if d.get("format") != HOLLOW_FORMAT:
+            return MCoreTensorAwareStateDict.from_bytes(data, allow_pickle).tensor_metadata
+        try:
+            shards = shard_table.decode_shards(d["shards"])
+            return [st for st, s in zip(shards, d["saved"]) if s]
+        except (KeyError, TypeError) as e:
+            raise ValidationError(f"hollow state dict bytes lack field {e} or hold it damaged") from e
 
     # ---- load ------------------------------------------------------------------------------
 
