@@ -247,6 +247,8 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         self._transport: Optional[P2PTransport] = None
         self._replicator: Optional[Replicator] = None
         self._distribution: Optional[ShardDistribution] = None
+        #: what a cached save of the same plain structure reuses (manager.saving)
+        self._snapshot_cache = None
         self._in_flight: Deque[Tuple[int, Future]] = deque()
         #: jobs submitted so far (equal on every rank, see manager.saving)
         self._seq = 0

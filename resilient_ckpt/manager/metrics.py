@@ -22,6 +22,9 @@ class SaveMetrics:
     bytes_staged: int = 0
     bytes_replicated_out: int = 0
     bytes_replicated_in: int = 0
+    #: the save reused the previous save's structure, encoding and layout (a cached save of an
+    #: unchanged plain state dict: no per-shard encoding on the calling thread)
+    structure_cached: bool = False
 
     def as_dict(self) -> Dict[str, float]:
         return dict(self.__dict__)

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
@@ -28,10 +28,25 @@ from ..errors import (
 )
 from ..memory import checksum
 from ..memory.staging import StagingHandle
-from ..memory.store import CheckpointHeader, CheckpointId, Segment, plan_layout
+from ..memory.store import (
+    CheckpointHeader,
+    CheckpointId,
+    DenseRun,
+    Segment,
+    TensorLayout,
+    dense_runs,
+    plan_layout,
+)
 from ..parallel import collectives
+from ..parallel.distribution import ShardDistribution
 from ..parallel.opaque_state_dict import OpaqueStateDict
-from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from ..parallel.tensor_aware_state_dict import (
+    HollowEncoding,
+    MCoreTensorAwareStateDict,
+    SnapshotParts,
+    encode_hollow,
+    snapshot_parts,
+)
 from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
 
@@ -80,12 +95,29 @@ def _timed(metrics: SaveMetrics, field_name: str) -> Iterator[None]:
 
 
 @dataclass
+class _SnapshotCache:
+    """What a cached save of a plain state dict reuses (valid with ``distribution`` only)."""
+
+    distribution: Optional[ShardDistribution]
+    encoding: HollowEncoding
+    saved: Tuple[bool, ...]
+    layouts: List[TensorLayout]
+    total: int
+    runs: List[DenseRun]
+    saved_index: List[int] = field(init=False)
+
+    def __post_init__(self):
+        self.saved_index = [i for i, s in enumerate(self.saved) if s]
+
+
+@dataclass
 class _Staged:
     """What ``_stage`` built so far (a failure releases whatever is set)."""
 
     segment: Optional[Segment] = None
     staging: Optional[StagingHandle] = None
     header: Optional[CheckpointHeader] = None
+    cached: bool = False  # staged by _stage_cached
 
 
 class SavePath:
@@ -108,12 +140,16 @@ class SavePath:
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
         try:
             state_dict = self._prepare(state_dict, iteration)
-            self._stage(self._snapshot(state_dict), iteration, staged)
+            parts = _plain_parts(state_dict) if self._kind != "tasd" else None
+            if not self._stage_cached(parts, iteration, staged):
+                self._stage(self._snapshot(state_dict), iteration, staged, cacheable=parts is not None)
         except BaseException as e:
             self._release(staged)
             self._submit_failed(iteration, seq, group, e)
             raise
-        metrics = SaveMetrics(iteration=iteration, bytes_staged=staged.header.data_nbytes)
+        metrics = SaveMetrics(
+            iteration=iteration, bytes_staged=staged.header.data_nbytes, structure_cached=staged.cached
+        )
         job = _SaveJob(iteration, staged.segment, staged.header, staged.staging, metrics, t0, seq)
         self._last_saved = iteration
         self.latest_iteration = -1  # invalidates find_latest's cache, like nvidia-resiliency-ext
@@ -176,20 +212,67 @@ class SavePath:
         self._kind = "dict"
         return tasd
 
-    def _stage(self, tasd: MCoreTensorAwareStateDict, iteration: int, staged: "_Staged") -> None:
+    def _stage(
+        self, tasd: MCoreTensorAwareStateDict, iteration: int, staged: "_Staged", cacheable: bool = False
+    ) -> None:
         """Stage 3: lay the tensors out in a store segment, start the copies, encode the hollow
-        state dict while they run (the copy thread releases the GIL), build the header."""
+        state dict while they run (the copy thread releases the GIL), build the header. The
+        encoding of a ``cacheable`` (plain) state dict is kept for the cached saves that follow
+        (:meth:`_stage_cached`)."""
         tensors = list(tasd.tensors)
         layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
-        staged.segment = self._prefetcher.take(total)
-        self.store.claim(staged.segment, iteration, self.rank)
-        staged.staging = self._stager.stage(tensors, staged.segment, layouts)
+        runs = dense_runs(layouts)
+        self._start_copies(tensors, layouts, total, runs, iteration, staged)
         popped = tasd.pop_tensors()
         try:
-            meta = tasd.to_bytes(allow_pickle=self.options.allow_pickle)
+            if cacheable and self._kind == "dict":
+                enc = tasd.hollow_encoding(allow_pickle=self.options.allow_pickle)
+                meta = enc.meta
+                self._snapshot_cache = _SnapshotCache(
+                    self._distribution, enc, tasd.saved_mask, layouts, total, runs
+                )
+            else:
+                meta = tasd.to_bytes(allow_pickle=self.options.allow_pickle)
         finally:
             tasd.insert_tensors(popped)
-        staged.header = CheckpointHeader(
+        staged.header = self._header(iteration, layouts, total, meta)
+
+    def _stage_cached(self, parts: Optional[SnapshotParts], iteration: int, staged: "_Staged") -> bool:
+        """Stage 2+3 of a cached save, or False for the general path: when the state dict is
+        plain and its structure (tree, every shard's metadata, which shards hold data) is the
+        one the cache was made for, its distribution, hollow skeleton, shard table and layout
+        are reused; only the common state and ShardedObjects are encoded again. Produces the
+        same header as the general path (tests/test_save_cache.py)."""
+        cache = self._snapshot_cache
+        if parts is None or cache is None or cache.distribution is not self._distribution:
+            return False
+        if parts.rows != cache.encoding.rows or parts.skeleton != cache.encoding.skeleton:
+            return False
+        tensors = [parts.shards[i].data for i in cache.saved_index]
+        if any(t.is_meta for t in tensors):
+            return False  # the general path raises the error that names it
+        self._start_copies(tensors, cache.layouts, cache.total, cache.runs, iteration, staged)
+        enc = cache.encoding
+        meta = encode_hollow(
+            parts.common,
+            enc.skeleton_bytes,
+            enc.table_bytes,
+            parts.objects,
+            cache.saved,
+            [t.device.type for t in tensors],
+            self.options.allow_pickle,
+        )
+        staged.header = self._header(iteration, cache.layouts, cache.total, meta)
+        staged.cached = True
+        return True
+
+    def _start_copies(self, tensors, layouts, total: int, runs, iteration: int, staged: "_Staged") -> None:
+        staged.segment = self._prefetcher.take(total)
+        self.store.claim(staged.segment, iteration, self.rank)
+        staged.staging = self._stager.stage(tensors, staged.segment, layouts, runs)
+
+    def _header(self, iteration: int, layouts, total: int, meta: bytes) -> CheckpointHeader:
+        return CheckpointHeader(
             session=self.session_id,
             iteration=iteration,
             owner=self.rank,
@@ -265,6 +348,7 @@ class SavePath:
         self._dist_checked_upto = horizon
         if failed:
             self._distribution = None
+            self._snapshot_cache = None
 
     def _submit_failed(self, iteration: int, seq: int, group, error: BaseException) -> None:
         """Queue the stand-in of a save that failed on this rank before it started."""
@@ -469,6 +553,17 @@ class SavePath:
                 pass
         with self._lock:
             self._in_flight.clear()
+
+
+def _plain_parts(state_dict: Any) -> Optional[SnapshotParts]:
+    """The one-walk parts of a plain state dict whose every shard holds data (then which
+    shards this rank saves follows from the structure and the distribution alone), else None."""
+    if callable(state_dict) or isinstance(state_dict, TensorAwareStateDict):
+        return None
+    parts = snapshot_parts(state_dict)
+    if parts is None or any(st.data is None for st in parts.shards):
+        return None
+    return parts
 
 
 def _is_foreign_tasd(obj: Any) -> bool:

@@ -183,16 +183,62 @@ class CheckpointHeader:
 
 
 def plan_layout(specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[List[TensorLayout], int]:
-    """Offsets (aligned to ``ALIGN``) for tensors of the given dtype/shape; total bytes."""
-    out = []
+    """Offsets for tensors of the given dtype/shape (layouts in the given order); total bytes.
+
+    Tensors of one dtype are packed densely in their order, each dtype's run starting at an
+    ``ALIGN`` boundary: a run is one flat typed region, so staging makes all its views and
+    copies in one call each (:func:`dense_runs`) instead of a few Python calls per tensor."""
+    out: List[Optional[TensorLayout]] = [None] * len(specs)
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, (dtype, _shape) in enumerate(specs):
+        by_dtype.setdefault(dtype, []).append(i)
     pos = 0
-    for dtype, shape in specs:
-        n = dtype.itemsize
-        for s in shape:
-            n *= int(s)
-        out.append(TensorLayout(pos, n, str(dtype).replace("torch.", ""), tuple(int(s) for s in shape)))
-        pos += (n + ALIGN - 1) // ALIGN * ALIGN
-    return out, pos
+    for dtype, idxs in by_dtype.items():
+        name = str(dtype).replace("torch.", "")
+        size = dtype.itemsize
+        for i in idxs:
+            shape = tuple(int(s) for s in specs[i][1])
+            n = size
+            for s in shape:
+                n *= s
+            out[i] = TensorLayout(pos, n, name, shape)
+            pos += n
+        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+    return out, pos  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class DenseRun:
+    """Tensors (indexes into a layout list, in offset order) packed back to back from
+    ``offset``: one flat region of ``dtype``."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    indexes: Tuple[int, ...]
+
+
+def dense_runs(layouts: Sequence[TensorLayout]) -> List[DenseRun]:
+    """The layouts grouped into maximal back-to-back runs of one dtype (empty tensors left
+    out: there is nothing to copy). Works for any layout; :func:`plan_layout`'s has one run
+    per dtype."""
+    order = sorted((lay.offset, i) for i, lay in enumerate(layouts) if lay.nbytes)
+    runs: List[DenseRun] = []
+    start = end = 0
+    dtype = None
+    idxs: List[int] = []
+    for off, i in order:
+        lay = layouts[i]
+        if idxs and (off != end or lay.dtype != dtype):
+            runs.append(DenseRun(start, end - start, layouts[idxs[0]].torch_dtype, tuple(idxs)))
+            idxs = []
+        if not idxs:
+            start, dtype = off, lay.dtype
+        idxs.append(i)
+        end = off + lay.nbytes
+    if idxs:
+        runs.append(DenseRun(start, end - start, layouts[idxs[0]].torch_dtype, tuple(idxs)))
+    return runs
 
 
 class Segment:

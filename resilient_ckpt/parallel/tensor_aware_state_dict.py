@@ -36,7 +36,7 @@ from ..model.mapping import (
 from ..model.mapping import (
     adapt as _adapt_leaf,
 )
-from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
+from ..model.nested import HOLE, fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
 from ..model.validation import (
     StrictHandling,
     apply_strictness,
@@ -181,6 +181,17 @@ def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
 HOLLOW_FORMAT = 2
 
 
+@dataclass
+class HollowEncoding:
+    """A hollow state dict's bytes (``meta``) and the parts they were made from."""
+
+    meta: bytes
+    skeleton: Any
+    rows: List[tuple]
+    skeleton_bytes: bytes
+    table_bytes: bytes
+
+
 def hollow_parts(sharded: Any) -> Tuple[Any, List[tuple], List[ShardedObject]]:
     """The sharded tree as ``(skeleton, shard table rows, objects)`` (see ``to_bytes``)."""
     rows: List[tuple] = []
@@ -213,6 +224,116 @@ def encode_hollow(common, skeleton: bytes, table: bytes, objects, saved, devices
         },
         allow_pickle=allow_pickle,
     )
+
+
+# ---- one-walk snapshot of a plain sharded state dict (the cached save's path) ----------------
+
+
+class _NotPlain(Exception):
+    """The state dict needs the general path (factories, Megatron objects, ...)."""
+
+
+@dataclass
+class SnapshotParts:
+    """A sharded state dict taken apart in one walk, copying nothing: what
+    ``preprocess`` + ``from_state_dict`` + ``to_bytes`` derive from it, for a plain state dict
+    (only our ShardedTensor / ShardedObject leaves, no factories, no LocalNonpersistentObject,
+    str keys above every sharded leaf). ``skeleton`` and ``rows`` equal
+    :func:`hollow_parts` of the general path's sharded tree and ``common`` its common part, so
+    a save that finds them unchanged reuses everything derived from them."""
+
+    common: Any = None
+    skeleton: Any = None
+    rows: List[tuple] = field(default_factory=list)
+    shards: List[ShardedTensor] = field(default_factory=list)
+    objects: List[ShardedObject] = field(default_factory=list)
+
+
+def snapshot_parts(sharded_state_dict: Any) -> Optional[SnapshotParts]:
+    """:class:`SnapshotParts` of ``sharded_state_dict``, or None if it is not plain."""
+    if not isinstance(sharded_state_dict, (dict, list)):
+        return None
+    parts = SnapshotParts()
+    try:
+        parts.skeleton, parts.common = _split_strip(sharded_state_dict, parts)
+    except _NotPlain:
+        return None
+    return parts
+
+
+def _special(v: Any) -> bool:
+    return isinstance(v, (ShardedTensor, ShardedObject, LocalNonpersistentObject)) or (
+        is_factory(v) or _adapt_leaf(v) is not v
+    )
+
+
+def _leaf_ref(v: Any, parts: SnapshotParts) -> Optional[int]:
+    t = type(v)
+    if t is ShardedTensor:
+        parts.shards.append(v)
+        parts.rows.append(shard_table.shard_row(v))
+        return len(parts.rows) - 1
+    if t is ShardedObject:
+        parts.objects.append(v)
+        return -len(parts.objects)
+    if _special(v):
+        raise _NotPlain
+    return None
+
+
+def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
+    """``split(x, is_sharded)`` of the structural copy ``preprocess`` makes (plain dicts and
+    lists), with the sharded side's leaves replaced as in :func:`hollow_parts`."""
+    if isinstance(x, dict):
+        match: dict = {}
+        rest: dict = {}
+        for k, v in x.items():
+            if isinstance(v, (dict, list)):
+                m, r = _split_strip(v, parts)
+                if _nonempty(m):
+                    _check_key(k)
+                    match[k] = m
+                if _nonempty(r) or not v:
+                    rest[k] = r
+                continue
+            ref = _leaf_ref(v, parts)
+            if ref is None:
+                rest[k] = v
+            else:
+                _check_key(k)
+                match[k] = ref
+        return match, rest
+    match_l: list = []
+    rest_l: list = []
+    for v in x:
+        if isinstance(v, (dict, list)):
+            if v:
+                m, r = _split_strip(v, parts)
+                match_l.append(m if _nonempty(m) else HOLE)
+                rest_l.append(r if _nonempty(r) else HOLE)
+            else:
+                match_l.append(HOLE)
+                rest_l.append({} if isinstance(v, dict) else [])
+            continue
+        ref = _leaf_ref(v, parts)
+        match_l.append(HOLE if ref is None else ref)
+        rest_l.append(v if ref is None else HOLE)
+    return (match_l if _nonempty(match_l) else []), rest_l
+
+
+def _check_key(k: Any) -> None:
+    # Cached parts are compared with ==, under which 1 == True == 1.0: only str keys above a
+    # sharded leaf keep that comparison exact (Megatron's state dicts have nothing else).
+    if type(k) is not str:
+        raise _NotPlain
+
+
+def _nonempty(x: Any) -> bool:
+    if isinstance(x, dict):
+        return bool(x)
+    if isinstance(x, list):
+        return any(v is not HOLE for v in x)
+    return True
 
 
 def _load_facts(
@@ -554,19 +675,25 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         Format 2: the sharded tree is stored as a *skeleton* whose ShardedTensor leaves are
         their index in a shard table (:mod:`..model.shard_table`, packed in C) and whose
         ShardedObject leaves are ``-1 - j`` for the j-th object of ``objects`` (a sharded tree
-        holds no other ints). See :func:`hollow_parts`, which a cached save reuses."""
+        holds no other ints)."""
+        return self.hollow_encoding(allow_pickle).meta
+
+    def hollow_encoding(self, allow_pickle: bool = False) -> "HollowEncoding":
+        """:meth:`to_bytes` with the parts a cached save reuses."""
         if not self._is_hollow and any(self._saved):
             raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
         skeleton, rows, objects = hollow_parts(self.sharded_state_dict)
-        return encode_hollow(
-            self.common,
-            codec.encode(skeleton),
-            shard_table.encode_rows(rows),
-            objects,
-            self._saved,
-            self._devices,
-            allow_pickle,
+        skeleton_bytes = codec.encode(skeleton)
+        table_bytes = shard_table.encode_rows(rows)
+        meta = encode_hollow(
+            self.common, skeleton_bytes, table_bytes, objects, self._saved, self._devices, allow_pickle
         )
+        return HollowEncoding(meta, skeleton, rows, skeleton_bytes, table_bytes)
+
+    @property
+    def saved_mask(self) -> Tuple[bool, ...]:
+        """Per ShardedTensor of the sharded tree (nested order): does this rank save it."""
+        return self._saved
 
     @classmethod
     def from_bytes(cls, data: bytes, allow_pickle: bool = False) -> "MCoreTensorAwareStateDict":
