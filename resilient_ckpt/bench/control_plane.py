@@ -175,6 +175,9 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:_sharded_objects", "phase"),
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:template_targets", "phase"),
     ("structure walk", _PKG + "manager.loading:template_targets", "phase"),
+    # the cached save's one walk (tree, shard rows) and its comparison with the cache
+    ("structure walk", _PKG + "manager.saving:snapshot_parts", "phase"),
+    ("fingerprint", _PKG + "manager.saving:SavePath._stage_cached", "phase"),
     # fingerprint: the structure digest (first save), the cached distribution's check
     ("fingerprint", _PKG + "parallel.tensor_aware_state_dict:structure_fingerprint", "phase"),
     ("fingerprint", _PKG + "parallel.distribution:structure_fingerprint", "phase"),
@@ -199,8 +202,15 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
         _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict.from_bytes",
         "phase",
     ),
+    (
+        "hollow encoding",
+        _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict.hollow_encoding",
+        "phase",
+    ),
+    ("hollow encoding", _PKG + "manager.saving:encode_hollow", "encode"),
     # header: the tensor table, pack / unpack, the files
     ("layout planning", _PKG + "manager.saving:plan_layout", "phase"),
+    ("layout planning", _PKG + "manager.saving:dense_runs", "phase"),
     ("header pack", _PKG + "memory.store:CheckpointHeader.pack", "encode"),
     ("header unpack", _PKG + "memory.store:CheckpointHeader.unpack", "phase"),
     ("header publish", _PKG + "memory.store:CheckpointStore.publish", "phase"),
@@ -242,6 +252,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("template fill", _PKG + "manager.loading:_unborrow", "phase"),
     # data plane (reported so the operations add up; not the subject of this benchmark)
     ("staging start", _PKG + "manager.saving:SavePath._stage", "phase"),
+    ("staging start", _PKG + "manager.saving:SavePath._start_copies", "phase"),
     ("staging wait", _PKG + "manager.saving:SavePath._store_and_replicate", "phase"),
     ("checksum", _PKG + "manager.saving:_with_checksums", "phase"),
     ("replication (data)", _PKG + "manager.saving:SavePath._replicate", "phase"),

@@ -26,6 +26,7 @@ from ..errors import (
     StoreError,
     ValidationError,
 )
+from ..gc_pause import paused_gc
 from ..memory import checksum
 from ..memory.staging import StagingHandle
 from ..memory.store import (
@@ -35,7 +36,9 @@ from ..memory.store import (
     Segment,
     TensorLayout,
     dense_runs,
+    new_layout,
     plan_layout,
+    writer_name,
 )
 from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution
@@ -140,8 +143,10 @@ class SavePath:
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
         try:
             state_dict = self._prepare(state_dict, iteration)
-            parts = _plain_parts(state_dict) if self._kind != "tasd" else None
-            if not self._stage_cached(parts, iteration, staged):
+            with paused_gc():  # one object per shard is made below, none of them garbage
+                parts = _plain_parts(state_dict) if self._kind != "tasd" else None
+                cached = self._stage_cached(parts, iteration, staged)
+            if not cached:
                 self._stage(self._snapshot(state_dict), iteration, staged, cacheable=parts is not None)
         except BaseException as e:
             self._release(staged)
@@ -248,8 +253,11 @@ class SavePath:
             return False
         if parts.rows != cache.encoding.rows or parts.skeleton != cache.encoding.skeleton:
             return False
-        tensors = [parts.shards[i].data for i in cache.saved_index]
-        if any(t.is_meta for t in tensors):
+        shards = parts.shards
+        tensors = [shards[i].data for i in cache.saved_index]
+        # Device types as pop_tensors records them (Tensor.device builds an object: slower).
+        devices = [("cpu" if t.is_cpu else t.device.type) for t in tensors]
+        if "meta" in devices:
             return False  # the general path raises the error that names it
         self._start_copies(tensors, cache.layouts, cache.total, cache.runs, iteration, staged)
         enc = cache.encoding
@@ -259,7 +267,7 @@ class SavePath:
             enc.table_bytes,
             parts.objects,
             cache.saved,
-            [t.device.type for t in tensors],
+            devices,
             self.options.allow_pickle,
         )
         staged.header = self._header(iteration, cache.layouts, cache.total, meta)
@@ -280,6 +288,8 @@ class SavePath:
             tensors=tuple(layouts),
             data_nbytes=total,
             meta=meta,
+            created_ns=time.time_ns(),
+            writer=writer_name(),
             replication={
                 "kind": self.placement.kind,
                 "factor": self.placement.replication_factor,
@@ -574,7 +584,9 @@ def _with_checksums(header: CheckpointHeader, segment: Segment) -> CheckpointHea
     if not header.data_nbytes:
         return header
     mv = checksum.byte_view(segment.buffer)
+    digest = checksum.digest
     tensors = tuple(
-        replace(l, checksum=checksum.digest(mv[l.offset : l.offset + l.nbytes])) for l in header.tensors
+        new_layout(l.offset, l.nbytes, l.dtype, l.shape, digest(mv[l.offset : l.offset + l.nbytes]))
+        for l in header.tensors
     )
     return replace(header, tensors=tensors)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..gc_pause import paused_gc
 from .store import CheckpointStore, DenseRun, Segment, TensorLayout, dense_runs
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Stager:
         for run in runs:
             srcs = [tensors[i] for i in run.indexes]
             region = segment.buffer[run.offset : run.offset + run.nbytes].view(run.dtype)
-            on_cuda = [t.device.type == "cuda" for t in srcs]
+            on_cuda = [t.is_cuda for t in srcs]
             if not any(on_cuda):
                 cpu.append((region, srcs))
             elif all(on_cuda):
@@ -100,7 +101,7 @@ class Stager:
             stream = self._side_stream()
             # Copy only after the kernels that produced the tensors (on the caller's stream).
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.no_grad():
+            with torch.cuda.stream(stream), torch.no_grad(), paused_gc():
                 for region, srcs in cuda:
                     _copy_run(region, srcs, non_blocking=True)
                     for src in srcs:
@@ -122,7 +123,9 @@ def _copy_run(region: torch.Tensor, srcs: Sequence[torch.Tensor], non_blocking: 
 
 
 def _copy_all(runs) -> None:
-    with torch.no_grad():  # grad mode is per thread: a Parameter source must not record history
+    # Grad mode is per thread: a Parameter source must not record history. The collector is
+    # paused while the views' Python objects (one per tensor) are made.
+    with torch.no_grad(), paused_gc():
         for region, srcs in runs:
             _copy_run(region, srcs)
 

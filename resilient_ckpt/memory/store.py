@@ -82,13 +82,24 @@ class TensorLayout:
     shape: Tuple[int, ...]
     checksum: Optional[int] = None
 
-    def pack(self) -> list:
-        return [self.offset, self.nbytes, self.dtype, list(self.shape), self.checksum]
+    def pack(self) -> tuple:
+        return (self.offset, self.nbytes, self.dtype, self.shape, self.checksum)
 
     @classmethod
     def unpack(cls, v) -> "TensorLayout":
+        """From :meth:`pack`'s fields as msgpack decodes them; wrong types are refused (a
+        header has one entry per tensor, 50k+: this runs at a few hundred ns each)."""
         off, n, dt, shape, ck = v
-        return cls(int(off), int(n), str(dt), tuple(int(s) for s in shape), ck)
+        shape = tuple(shape)
+        if (
+            type(off) is not int
+            or type(n) is not int
+            or type(dt) is not str
+            or not (ck is None or type(ck) is int)
+            or any(type(s) is not int for s in shape)
+        ):
+            raise CorruptCheckpointError(f"malformed tensor entry {v!r} in a checkpoint header")
+        return new_layout(off, n, dt, shape, ck)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -121,6 +132,15 @@ class CheckpointHeader:
         return CheckpointId(self.iteration, self.owner, self.session)
 
     def pack(self) -> bytes:
+        """The header's bytes (computed once per header object: a save publishes them and
+        sends them to its holders; a header that was unpacked keeps the bytes it came from)."""
+        raw = self.__dict__.get("_packed")
+        if raw is None:
+            raw = self._pack()
+            self.__dict__["_packed"] = raw
+        return raw
+
+    def _pack(self) -> bytes:
         body = msgpack.packb(
             {
                 "magic": MAGIC,
@@ -135,7 +155,7 @@ class CheckpointHeader:
                 "replication": self.replication,
                 "checksum_algo": self.checksum_algo,
                 "created_ns": self.created_ns or time.time_ns(),
-                "writer": self.writer or f"{socket.gethostname()}:{os.getpid()}",
+                "writer": self.writer or writer_name(),
             },
             use_bin_type=True,
         )
@@ -146,7 +166,9 @@ class CheckpointHeader:
         """Parse and verify; any defect is a CorruptCheckpointError naming ``source``."""
         try:
             with paused_gc():  # one TensorLayout per tensor: 50k small objects
-                return cls._parse(raw, source)
+                header = cls._parse(raw, source)
+            header.__dict__["_packed"] = bytes(raw)
+            return header
         except (CorruptCheckpointError, ForeignCheckpointError):
             raise
         except Exception as e:  # msgpack errors, missing keys, wrong types
@@ -157,7 +179,9 @@ class CheckpointHeader:
         body, digest = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_HEADER_BYTES)
         if checksum.digest(body) != digest:
             raise CorruptCheckpointError(f"{source}: header checksum mismatch (torn or corrupted)")
-        d = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=_MAX_HEADER_BYTES)
+        d = msgpack.unpackb(
+            body, raw=False, strict_map_key=False, use_list=False, max_bin_len=_MAX_HEADER_BYTES
+        )
         if d.get("magic") != MAGIC:
             raise CorruptCheckpointError(f"{source}: not a resilient_ckpt header")
         version = d["format_version"]
@@ -171,7 +195,7 @@ class CheckpointHeader:
             iteration=int(d["iteration"]),
             owner=int(d["owner"]),
             world_size=int(d["world_size"]),
-            tensors=tuple(TensorLayout.unpack(t) for t in d["tensors"]),
+            tensors=tuple(map(TensorLayout.unpack, d["tensors"])),
             data_nbytes=int(d["data_nbytes"]),
             meta=bytes(d["meta"]),
             replication=dict(d.get("replication") or {}),
@@ -180,6 +204,19 @@ class CheckpointHeader:
             created_ns=int(d["created_ns"]),
             writer=str(d.get("writer", "")),
         )
+
+
+def writer_name() -> str:
+    """Who wrote a header: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def new_layout(offset: int, nbytes: int, dtype: str, shape: Tuple[int, ...], checksum=None) -> TensorLayout:
+    """A TensorLayout from fields known to be well typed, without the frozen dataclass's
+    per-field ``object.__setattr__`` (a 50k-tensor header builds 50k of them)."""
+    lay = object.__new__(TensorLayout)
+    lay.__dict__.update(offset=offset, nbytes=nbytes, dtype=dtype, shape=shape, checksum=checksum)
+    return lay
 
 
 def plan_layout(specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[List[TensorLayout], int]:
@@ -201,7 +238,7 @@ def plan_layout(specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[L
             n = size
             for s in shape:
                 n *= s
-            out[i] = TensorLayout(pos, n, name, shape)
+            out[i] = new_layout(pos, n, name, shape)
             pos += n
         pos = (pos + ALIGN - 1) // ALIGN * ALIGN
     return out, pos  # type: ignore[return-value]
@@ -625,10 +662,16 @@ class CheckpointStore:
 
     def write_header(self, header: CheckpointHeader) -> None:
         cid = header.id
+        path = self.header_path(cid)
         tmp = self.dir / f".{cid.stem()}.hdr.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.write(header.pack())
-        os.replace(tmp, self.header_path(cid))
+            st = os.fstat(f.fileno())
+        os.replace(tmp, path)
+        if header.created_ns and header.writer:
+            # What a read of this file would parse (the fields pack fills in are set): later
+            # reads of it (retention, restore) need not parse 50k tensor entries again.
+            self._remember_parsed(path, (st.st_ino, st.st_size, st.st_mtime_ns), header)
 
     def write_raw_header(self, raw: bytes, expect: CheckpointId) -> CheckpointHeader:
         """Publish a header received from a peer after checking it describes ``expect``."""
@@ -688,11 +731,15 @@ class CheckpointStore:
                     self._parsed.move_to_end(path)
                     return hit[1]
             header = CheckpointHeader.unpack(f.read(), source=str(path))
+        self._remember_parsed(path, key, header)
+        return header
+
+    def _remember_parsed(self, path: Path, key: tuple, header: CheckpointHeader) -> None:
         with self._parsed_lock:
             self._parsed[path] = (key, header)
+            self._parsed.move_to_end(path)
             while len(self._parsed) > _PARSED_HEADERS:
                 self._parsed.popitem(last=False)
-        return header
 
     def open(self, cid: CheckpointId) -> CheckpointReader:
         header = self.read_header(cid)

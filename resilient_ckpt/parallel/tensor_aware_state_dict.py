@@ -267,46 +267,51 @@ def _special(v: Any) -> bool:
     )
 
 
-def _leaf_ref(v: Any, parts: SnapshotParts) -> Optional[int]:
-    t = type(v)
-    if t is ShardedTensor:
-        parts.shards.append(v)
-        parts.rows.append(shard_table.shard_row(v))
-        return len(parts.rows) - 1
-    if t is ShardedObject:
-        parts.objects.append(v)
-        return -len(parts.objects)
-    if _special(v):
-        raise _NotPlain
-    return None
-
-
 def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
     """``split(x, is_sharded)`` of the structural copy ``preprocess`` makes (plain dicts and
-    lists), with the sharded side's leaves replaced as in :func:`hollow_parts`."""
+    lists), with the sharded side's leaves replaced as in :func:`hollow_parts`. (Leaf tests
+    are inlined: this runs once per leaf of every cached save.)"""
+    shards, rows, objects, row = parts.shards, parts.rows, parts.objects, shard_table.shard_row
     if isinstance(x, dict):
         match: dict = {}
         rest: dict = {}
         for k, v in x.items():
-            if isinstance(v, (dict, list)):
+            t = type(v)
+            if t is ShardedTensor:
+                _check_key(k)
+                match[k] = len(rows)
+                shards.append(v)
+                rows.append(row(v))
+            elif t is ShardedObject:
+                _check_key(k)
+                objects.append(v)
+                match[k] = -len(objects)
+            elif isinstance(v, (dict, list)):
                 m, r = _split_strip(v, parts)
                 if _nonempty(m):
                     _check_key(k)
                     match[k] = m
                 if _nonempty(r) or not v:
                     rest[k] = r
-                continue
-            ref = _leaf_ref(v, parts)
-            if ref is None:
-                rest[k] = v
+            elif _special(v):
+                raise _NotPlain
             else:
-                _check_key(k)
-                match[k] = ref
+                rest[k] = v
         return match, rest
     match_l: list = []
     rest_l: list = []
     for v in x:
-        if isinstance(v, (dict, list)):
+        t = type(v)
+        if t is ShardedTensor:
+            match_l.append(len(rows))
+            rest_l.append(HOLE)
+            shards.append(v)
+            rows.append(row(v))
+        elif t is ShardedObject:
+            objects.append(v)
+            match_l.append(-len(objects))
+            rest_l.append(HOLE)
+        elif isinstance(v, (dict, list)):
             if v:
                 m, r = _split_strip(v, parts)
                 match_l.append(m if _nonempty(m) else HOLE)
@@ -314,10 +319,11 @@ def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
             else:
                 match_l.append(HOLE)
                 rest_l.append({} if isinstance(v, dict) else [])
-            continue
-        ref = _leaf_ref(v, parts)
-        match_l.append(HOLE if ref is None else ref)
-        rest_l.append(v if ref is None else HOLE)
+        elif _special(v):
+            raise _NotPlain
+        else:
+            match_l.append(HOLE)
+            rest_l.append(v)
     return (match_l if _nonempty(match_l) else []), rest_l
 
 
