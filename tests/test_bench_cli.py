@@ -105,3 +105,39 @@ def test_bench_quick_compares_every_system_with_the_baseline_and_the_limits(tmp_
         assert metric in text
     assert png.stat().st_size > 0
     assert "ours-embedded" in proc.stdout and "baseline" in proc.stdout
+
+
+# ---- --device ----------------------------------------------------------------------------------
+
+
+def test_bench_device_defaults_to_cpu_and_accepts_only_cpu_or_cuda(capsys):
+    from resilient_ckpt.bench import runner
+
+    parser = runner.build_parser()
+    assert parser.parse_args([]).device == "cpu"
+    assert parser.parse_args(["--device", "cuda"]).device == "cuda"
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--device", "gpu"])
+    assert e.value.code == 2
+    assert "argument --device: invalid choice: 'gpu'" in capsys.readouterr().err
+
+
+def test_bench_device_cuda_without_a_gpu_is_refused_at_once_naming_the_problem(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = tmp_path / "never.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from resilient_ckpt.cli.main import main; sys.exit(main())"]
+        + ["bench", "--device", "cuda", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2  # argparse's usage error, not a crash
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("resilient-ckpt bench: error: --device cuda: torch ")
+    assert "sees no CUDA device" in last and "use --device cpu" in last
+    assert proc.stdout == "" and not out.exists()  # refused before measuring or launching anything

@@ -125,6 +125,49 @@ def test_verify_accepts_the_saved_iteration_and_rejects_another_or_a_missing_key
     assert any("value args differs" in p for p in problems)
 
 
+def test_verify_compares_bytes_across_devices_and_reports_a_restore_to_the_wrong_device():
+    wl = Workload(MIB, 2, 0, iteration=200)
+    restored = _plain(wl.sharded_state_dict())
+    assert verify(restored, wl.layout, 200, device="cpu") == []
+    # restored to the host where a GPU was asked for: each such tensor is named, once
+    problems = verify(restored, wl.layout, 200, device="cuda", limit=2)
+    assert len(problems) == 2 and all("restored to cpu, expected cuda" in p for p in problems)
+    meta = Workload(MIB, 2, 0, fill="zeros", device="meta")
+    assert all(t.device.type == "meta" for t in meta.tensors.values())
+
+
+def test_cuda_limits_bound_stall_by_the_d2h_link_and_restores_by_h2d():
+    from resilient_ckpt.bench import report
+
+    gib = float(1 << 30)
+    cpu = {
+        k: 10 * gib for k in ("memcpy_bps", "memcpy_1thread_bps", "shm_memcpy_bps", "shm_memcpy_1thread_bps")
+    }
+    cpu["p2p_bps"] = 2 * gib
+    cuda = dict(cpu, d2h_pinned_bps=50 * gib, h2d_pinned_bps=40 * gib, cuda_devices=1)
+    b, w = 1 << 30, 2
+    s = workload.expected_saved_bytes(b, w)
+    assert report.limit_seconds("stall_s", b, w, 1, 2, cpu) == pytest.approx(w * s / (10 * gib))
+    assert report.limit_seconds("stall_s", b, w, 1, 2, cuda) == pytest.approx(w * s / (50 * gib))
+    assert report.limit_seconds("durable_s", b, w, 1, 2, cuda) == pytest.approx(
+        w * s / (50 * gib) + w * s / (2 * gib)
+    )
+    restart_cpu = report.limit_seconds("restore_restart_s", b, w, 1, 2, cpu)
+    restart_cuda = report.limit_seconds("restore_restart_s", b, w, 1, 2, cuda)
+    assert restart_cuda == pytest.approx(restart_cpu + w * b / (40 * gib))
+    assert report.limit_seconds("restore_node_loss_s", b, w, 1, 2, cuda) == pytest.approx(
+        restart_cuda + s / (2 * gib)
+    )
+    # two GPUs: each carries one rank's copies
+    two = dict(cuda, cuda_devices=2)
+    assert report.limit_seconds("stall_s", b, w, 1, 2, two) == pytest.approx(s / (50 * gib))
+    assert report.limit_formula("stall_s", cuda) == "g*s/d2h"
+    assert report.limit_formula("stall_s", cpu) == "W*s/memcpy"
+    assert "GPU -> pinned host 50.00 GiB/s, pinned host -> GPU 40.00 GiB/s" in report.format_limits(
+        dict(cuda, threads=2, fresh_memcpy_1thread_bps=gib, gloo_p2p_bps=gib, zmq_bps=gib)
+    )
+
+
 @given(n=st.integers(min_value=0, max_value=1 << 44))
 def test_size_strings_round_trip(n):
     n = n - n % 1024 if n >= 1024 else n

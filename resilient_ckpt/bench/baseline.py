@@ -27,6 +27,12 @@ Restore = ``find_latest()`` + ``load()`` (replica retrieval included) +
 
 On a machine without CUDA both libraries fail on a few calls; :data:`PATCHED_FOR_CPU` lists
 the substitutes (each maps a CUDA step to its CPU equivalent, the data movement is unchanged).
+
+With CUDA (``resilient-ckpt bench --device cuda``) both run unpatched - real
+``torch.cuda.synchronize()``, D2H clones, ``.cuda()`` staging and CUDA exchange buffers - except
+for one thing the benchmark's gloo groups cannot do that nvrx's NCCL groups can:
+:data:`ADAPTED_FOR_GLOO` (point-to-point send/recv of a CUDA tensor; gloo's own CUDA
+collectives bounce through host memory the same way).
 """
 
 from __future__ import annotations
@@ -96,8 +102,58 @@ def _on_cpu(fn):
     return wrapper
 
 
+ADAPTED_FOR_GLOO = (
+    "dist.send/recv of a CUDA tensor over gloo -> through host memory inside nvrx "
+    "GroupWrapper.isend_state_dict / irecv_state_dict (replica retrieval; gloo point-to-point "
+    "takes CPU tensors only, nvrx is written for NCCL)",
+)
+
+
 def _noop_synchronize(device=None) -> None:
     return None
+
+
+def _is_gloo(group) -> bool:
+    import torch.distributed as dist
+
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+class _GlooHostBounce:
+    """``torch.distributed`` as nvrx's ``group_utils`` module sees it, except that send/recv of
+    a CUDA tensor on a gloo group goes through host memory (gloo would hand the device pointer
+    to the socket: "writev: Bad address"). Every other name is torch.distributed's own."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch.distributed as dist
+
+        return getattr(dist, name)
+
+    def send(self, tensor, dst=None, group=None, tag=0, **kw):
+        import torch.distributed as dist
+
+        if tensor.is_cuda and _is_gloo(group):
+            tensor = tensor.cpu()
+        return dist.send(tensor, dst, group=group, tag=tag, **kw)
+
+    def recv(self, tensor, src=None, group=None, tag=0, **kw):
+        import torch.distributed as dist
+
+        if not (tensor.is_cuda and _is_gloo(group)):
+            return dist.recv(tensor, src, group=group, tag=tag, **kw)
+        host = torch.empty_like(tensor, device="cpu")
+        out = dist.recv(host, src, group=group, tag=tag, **kw)
+        tensor.copy_(host)
+        return out
+
+
+def apply_gloo_cuda_adaptation() -> bool:
+    """Install :data:`ADAPTED_FOR_GLOO` once per process when CUDA is present; True if so."""
+    if not torch.cuda.is_available():
+        return False
+    if not isinstance(_nvrx_groups.dist, _GlooHostBounce):
+        _nvrx_groups.dist = _GlooHostBounce()
+    return True
 
 
 def apply_cpu_patches() -> bool:
@@ -122,7 +178,16 @@ class BaselineSystem:
 
     name = "baseline"
     flavour = "mcore"
-    patched_for_cpu = PATCHED_FOR_CPU if not torch.cuda.is_available() else ()
+
+    @classmethod
+    def patches(cls, device: str) -> tuple:
+        """What this system changes in the libraries for a run on ``device`` (reported).
+
+        Decided from the device asked for, not from ``torch.cuda.is_available()``: this module
+        is imported by the bench's fork server, and initialising CUDA there would leave every
+        rank forked from it unable to use the GPU.
+        """
+        return ADAPTED_FOR_GLOO if device == "cuda" else PATCHED_FOR_CPU
 
     @classmethod
     def memory_estimate(cls, bytes_per_rank: int, world_size: int) -> int:
@@ -132,7 +197,7 @@ class BaselineSystem:
         return world_size * ((1 << 29) + int(bytes_per_rank * (1 + 1.5 + 3.0)))
 
     def setup(self, ctx: RankContext) -> None:
-        apply_cpu_patches()
+        apply_cpu_patches() or apply_gloo_cuda_adaptation()
         logging.getLogger("nvidia_resiliency_ext").setLevel(logging.ERROR)
         self.group = ctx.dp_group
         if ctx.world_size % (ctx.ranks_per_node * ctx.replication_factor):

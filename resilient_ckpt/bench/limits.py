@@ -7,7 +7,10 @@
 * ``gloo_p2p_bandwidth``: ``torch.distributed`` send/recv of large tensors between 2 processes
   on loopback - what replication over the trainer's process group can reach;
 * ``zmq_bandwidth``: ZeroMQ PAIR sockets on loopback, 2 processes, zero-copy multipart frames
-  of 64 MiB - what daemon-to-daemon replication can reach.
+  of 64 MiB - what daemon-to-daemon replication can reach;
+* ``cuda_copy_bandwidth`` (``--device cuda`` only): ``copy_`` between a CUDA tensor and
+  page-locked host memory, device-to-host and host-to-device, timed with CUDA events - what
+  staging from the GPU into pinned shared memory, and a restore into GPU tensors, can reach.
 
 All return bytes per second (medians over repetitions). The two transport measurements start
 their own processes with the bench launcher (:func:`resilient_ckpt.bench.launcher.launch`).
@@ -206,9 +209,45 @@ def zmq_bandwidth(total: int = 1 << 30, *, frame: int = FRAME_BYTES, reps: int =
     return out[0]
 
 
+def cuda_copy_bandwidth(
+    nbytes: int = 1 << 30, *, direction: str = "d2h", reps: int = 5, device: Optional[str] = None
+) -> float:
+    """Bytes/s of ``copy_`` between a CUDA tensor and pinned host memory (``direction``
+    ``"d2h"``: device to host, ``"h2d"``: host to device), median of ``reps`` after a warm-up,
+    timed with CUDA events on the current stream."""
+    _check_positive("nbytes", nbytes)
+    _check_positive("reps", reps)
+    if direction not in ("d2h", "h2d"):
+        raise ValidationError(f"direction={direction!r}: use 'd2h' or 'h2d'")
+    if not torch.cuda.is_available():
+        raise ValidationError("cuda_copy_bandwidth needs a CUDA device; torch sees none")
+    dev = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst, src = (host, gpu) if direction == "d2h" else (gpu, host)
+    try:
+        dst.copy_(src, non_blocking=True)  # warm-up
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    finally:
+        torch.cuda.synchronize(dev)
+        del gpu, host, dst, src
+        torch.cuda.empty_cache()
+    return nbytes / statistics.median(times)
+
+
 @dataclass(frozen=True)
 class MachineLimits:
-    """Bandwidths in bytes/s and the buffer sizes they were measured with."""
+    """Bandwidths in bytes/s and the buffer sizes they were measured with.
+
+    ``d2h_pinned_bps`` / ``h2d_pinned_bps``: GPU <-> page-locked host copies, measured only for
+    ``device="cuda"`` (None otherwise)."""
 
     memcpy_bps: float
     memcpy_1thread_bps: float
@@ -220,6 +259,10 @@ class MachineLimits:
     threads: int
     memcpy_bytes: int
     transport_bytes: int
+    d2h_pinned_bps: Optional[float] = None
+    h2d_pinned_bps: Optional[float] = None
+    device: str = "cpu"
+    cuda_devices: Optional[int] = None
 
     @property
     def p2p_bps(self) -> float:
@@ -233,12 +276,25 @@ class MachineLimits:
 
 
 def measure_limits(
-    *, quick: bool = False, memcpy_bytes: Optional[int] = None, transport_bytes: Optional[int] = None
+    *,
+    quick: bool = False,
+    memcpy_bytes: Optional[int] = None,
+    transport_bytes: Optional[int] = None,
+    device: str = "cpu",
 ) -> MachineLimits:
-    """All limits; ``quick`` uses small buffers (seconds instead of tens of seconds)."""
+    """All limits; ``quick`` uses small buffers (seconds instead of tens of seconds);
+    ``device="cuda"`` adds the GPU <-> pinned host copy bandwidths."""
     mb = memcpy_bytes or ((64 << 20) if quick else (1 << 30))
     tb = transport_bytes or ((256 << 20) if quick else (1 << 30))
     reps = 3 if quick else 5
+    cuda = {}
+    if device == "cuda":
+        cuda = dict(
+            d2h_pinned_bps=cuda_copy_bandwidth(mb, direction="d2h", reps=reps),
+            h2d_pinned_bps=cuda_copy_bandwidth(mb, direction="h2d", reps=reps),
+            device="cuda",
+            cuda_devices=torch.cuda.device_count(),
+        )
     return MachineLimits(
         memcpy_bps=memcpy_bandwidth(mb, reps=reps),
         memcpy_1thread_bps=memcpy_bandwidth(mb, threads=1, reps=reps),
@@ -250,4 +306,5 @@ def measure_limits(
         threads=torch.get_num_threads(),
         memcpy_bytes=mb,
         transport_bytes=tb,
+        **cuda,
     )

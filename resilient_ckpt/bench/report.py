@@ -11,6 +11,17 @@ replicated bytes, F = replication factor, rpn = ranks per node):
 
 memcpy / shm-memcpy are the better of the default-thread and 1-thread figures, p2p the better
 of gloo send/recv and ZeroMQ, all measured in the same run.
+
+A ``--device cuda`` run (the limits then hold ``d2h_pinned_bps`` / ``h2d_pinned_bps``, GPU <->
+page-locked host copies measured in the same run) stages from the GPU and restores into it, so
+the copy into host memory is bounded by the device-to-host link instead of memcpy and a restore
+also has to move the whole state B of a rank back to its GPU; g = ranks sharing one GPU
+(ceil(W / GPUs)):
+
+* stall:              g*s / d2h
+* durable:            g*s / d2h + W*s*(F-1) / p2p
+* restore (restart):  W*s / shm-memcpy + (W-1)*R / p2p + g*B / h2d
+* restore (node loss): restart + rpn*s / p2p
 """
 
 from __future__ import annotations
@@ -40,6 +51,38 @@ LIMIT_FORMULAS = {
 }
 
 
+CUDA_LIMIT_FORMULAS = {
+    "stall_s": "g*s/d2h",
+    "durable_s": "g*s/d2h + W*s*(F-1)/p2p",
+    "restore_restart_s": "W*s/shm_memcpy + (W-1)*R/p2p + g*B/h2d",
+    "restore_node_loss_s": "W*s/shm_memcpy + (W-1)*R/p2p + g*B/h2d + rpn*s/p2p",
+}
+
+
+def _is_cuda(limits: Optional[Dict[str, Any]]) -> bool:
+    return bool(limits) and bool(limits.get("d2h_pinned_bps")) and bool(limits.get("h2d_pinned_bps"))
+
+
+def limit_formula(metric: str, limits: Optional[Dict[str, Any]]) -> Optional[str]:
+    return (CUDA_LIMIT_FORMULAS if _is_cuda(limits) else LIMIT_FORMULAS).get(metric)
+
+
+def _cuda_limit_seconds(
+    metric: str, b: int, w: int, rpn: int, f: int, s: int, limits: Dict[str, Any]
+) -> Optional[float]:
+    g = -(-w // max(1, int(limits.get("cuda_devices") or 1)))  # ranks per GPU
+    p2p, shm = limits["p2p_bps"], max(limits["shm_memcpy_bps"], limits["shm_memcpy_1thread_bps"])
+    d2h, h2d = limits["d2h_pinned_bps"], limits["h2d_pinned_bps"]
+    if metric == "stall_s":
+        return g * s / d2h
+    if metric == "durable_s":
+        return g * s / d2h + w * s * (f - 1) / p2p
+    restart = w * s / shm + (w - 1) * (b // 2) / p2p + g * b / h2d
+    if metric == "restore_restart_s":
+        return restart
+    return restart + rpn * s / p2p
+
+
 def limit_seconds(
     metric: str,
     bytes_per_rank: int,
@@ -53,6 +96,8 @@ def limit_seconds(
         return None
     w, f = world_size, replication_factor
     s = expected_saved_bytes(bytes_per_rank, world_size)
+    if _is_cuda(limits):
+        return _cuda_limit_seconds(metric, bytes_per_rank, w, ranks_per_node, f, s, limits)
     r = bytes_per_rank // 2
     p2p = limits["p2p_bps"]
     # the best thread count measured: a bound, not what one configuration happens to get
@@ -102,7 +147,7 @@ def comparisons(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
                         "baseline": bl,
                         "ratio": (ours / bl) if ours is not None and bl else None,
                         "limit": lim,
-                        "limit_formula": LIMIT_FORMULAS.get(metric),
+                        "limit_formula": limit_formula(metric, doc.get("limits")),
                         "ratio_to_limit": (ours / lim) if ours is not None and lim else None,
                         "baseline_ratio_to_limit": (bl / lim) if bl is not None and lim else None,
                     }
@@ -135,13 +180,19 @@ def _ratio(v: Optional[float]) -> str:
 
 def format_limits(limits: Dict[str, float]) -> str:
     gib = 1 << 30
+    cuda = ""
+    if _is_cuda(limits):
+        cuda = (
+            f"; GPU -> pinned host {limits['d2h_pinned_bps'] / gib:.2f} GiB/s, pinned host -> GPU "
+            f"{limits['h2d_pinned_bps'] / gib:.2f} GiB/s"
+        )
     return (
         f"limits: memcpy {limits['memcpy_bps'] / gib:.2f} GiB/s ({limits['threads']} threads), "
         f"{limits['memcpy_1thread_bps'] / gib:.2f} GiB/s (1 thread); /dev/shm mmap memcpy "
         f"{limits['shm_memcpy_bps'] / gib:.2f} GiB/s ({limits['shm_memcpy_1thread_bps'] / gib:.2f}"
         f" 1 thread); memcpy into fresh pages {limits['fresh_memcpy_1thread_bps'] / gib:.2f} GiB/s "
         f"(1 thread, page faults included); gloo p2p {limits['gloo_p2p_bps'] / gib:.2f} GiB/s; ZeroMQ "
-        f"{limits['zmq_bps'] / gib:.2f} GiB/s (64 MiB zero-copy frames)"
+        f"{limits['zmq_bps'] / gib:.2f} GiB/s (64 MiB zero-copy frames)" + cuda
     )
 
 
@@ -189,8 +240,11 @@ def render(doc: Dict[str, Any], con=None) -> None:
     if doc.get("limits"):
         con.print(format_limits(doc["limits"]), markup=False, highlight=False)
     con.print(f"peak RSS: {doc['rss_method']}", markup=False, highlight=False)
-    if doc.get("patched_for_cpu"):
-        con.print("patched for CPU: " + "; ".join(doc["patched_for_cpu"]), markup=False, highlight=False)
+    patched = doc.get("patched", doc.get("patched_for_cpu"))
+    if patched:
+        device = doc.get("config", {}).get("device", "cpu")
+        label = "patched for CPU" if device == "cpu" else f"adapted for {device} on gloo"
+        con.print(f"{label}: " + "; ".join(patched), markup=False, highlight=False)
     for s in doc.get("skipped", []):
         where = f" {format_size(s['bytes_per_rank'])} W={s['world_size']}" if "bytes_per_rank" in s else ""
         con.print(f"skipped {s['system']}{where}: {s['reason']}", markup=False, highlight=False)

@@ -17,6 +17,11 @@ One configuration = (system, bytes per rank B, world size W). Each repetition:
    store directory is deleted, a replacement node starts empty, then as 2: its ranks must
    get their data from replicas on the other node.
 
+``--device cuda``: every rank's workload tensors and restore templates live on
+``cuda:<local rank % device count>`` (several ranks may share one GPU); process groups stay
+gloo, so the systems' own CUDA paths (D2H staging, pinned buffers, H2D on restore) are what
+differs from a CPU run. Restores must come back on that device.
+
 Figures per repetition are the max over ranks; reported figures are medians over repetitions.
 Peak RSS is ``VmHWM`` from ``/proc/self/status`` (resident pages of the rank process, shared
 and file pages it mapped included), reset through ``/proc/self/clear_refs`` right before the
@@ -221,6 +226,25 @@ class RunSpec:
     #: saves before the timed one: a real job saves hundreds of times, so what matters is
     #: the steady state (buffers and pages reused), for every system alike
     warmup_saves: int = 3
+    #: where the workload's tensors live: "cpu" or "cuda" (each rank on its local GPU)
+    device: str = "cpu"
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def rank_device(ctx: RankContext, device: str) -> str:
+    """The device a rank's tensors live on; for CUDA also made the rank's current device
+    (``cuda:<local rank % device count>``: ranks of a node share its GPUs round-robin)."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValidationError(f"rank {ctx.rank}: device {device!r} asked for, but torch sees no CUDA device")
+    index = ctx.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
 
 
 def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
@@ -236,6 +260,7 @@ def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
         flavour=cls.flavour,
         seed=spec.seed,
         iteration=FIRST_ITERATION,
+        device=rank_device(ctx, spec.device),
     )
     system = cls()
     system.setup(ctx)
@@ -275,8 +300,15 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     from .workload import Workload, layout, verify
 
     cls = load_system(spec.system)
+    device = rank_device(ctx, spec.device)
     tmpl = Workload(
-        spec.bytes_per_rank, ctx.world_size, ctx.rank, flavour=cls.flavour, seed=spec.seed, fill="zeros"
+        spec.bytes_per_rank,
+        ctx.world_size,
+        ctx.rank,
+        flavour=cls.flavour,
+        seed=spec.seed,
+        fill="zeros",
+        device=device,
     )
     template = tmpl.sharded_state_dict()
     system = cls()
@@ -286,11 +318,19 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     rss_start = current_rss_bytes()
     t0 = time.perf_counter()
     restored = system.restore(template)
+    if device != "cpu":
+        # restored means usable: copies a system left in flight on the GPU count
+        import torch
+
+        torch.cuda.synchronize()
     t1 = time.perf_counter()
     peak = peak_rss_bytes()
     del template, tmpl
     problems = verify(
-        restored, layout(spec.bytes_per_rank, ctx.world_size, ctx.rank, seed=spec.seed), ITERATION
+        restored,
+        layout(spec.bytes_per_rank, ctx.world_size, ctx.rank, seed=spec.seed),
+        ITERATION,
+        device=device,
     )
     del restored
     system.teardown()
@@ -526,9 +566,10 @@ def run_config(
     shm_dir: str = "/dev/shm",
     log: Callable[[str], None] = print,
     warmup_saves: int = 3,
+    device: str = "cpu",
 ) -> Dict[str, Any]:
     """All repetitions of one (system, size, world size); returns the JSON record."""
-    spec = RunSpec(spec_str, bytes_per_rank, warmup_saves=warmup_saves)
+    spec = RunSpec(spec_str, bytes_per_rank, warmup_saves=warmup_saves, device=device)
     cfg = _Config(name, spec, cls, world_size, ranks_per_node, replication_factor, shm_dir, log)
     tally = _Tally()
     for rep in range(reps):
@@ -541,6 +582,7 @@ def run_config(
         "world_size": world_size,
         "ranks_per_node": ranks_per_node,
         "replication_factor": replication_factor,
+        "device": device,
         "reps": reps,
         "expected_saved_bytes": expected_saved_bytes(bytes_per_rank, world_size),
         "rss_reset": tally.rss_reset_ok,
@@ -608,7 +650,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: seconds vs size")
     p.add_argument("--shm-dir", default="/dev/shm", help="where node store roots go (tmpfs)")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where every rank's training state and restore templates live (default cpu); cuda: "
+        "cuda:<local rank %% GPUs>, several ranks may share one GPU, process groups stay gloo, and "
+        "the limits add device<->pinned-host copy bandwidths",
+    )
     return p
+
+
+def device_problem(device: str) -> Optional[str]:
+    """Why ``--device`` cannot be used on this machine (None when it can)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+    return (
+        f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device "
+        "(torch.cuda.is_available() is False); run on a machine with a GPU and a CUDA build "
+        "of torch, or use --device cpu"
+    )
 
 
 def _machine() -> Dict[str, Any]:
@@ -625,7 +691,10 @@ def _machine() -> Dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "memory_bytes": psutil.virtual_memory().total,
         "cuda": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda,
     }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     from importlib import metadata
 
     for dist_name in ("megatron-core", "nvidia-resiliency-ext", "resilient-ckpt", "pyzmq"):
@@ -700,6 +769,14 @@ def _memory_shortfall(cls: type, bytes_per_rank: int, world_size: int) -> Option
     return None
 
 
+def _patches(cls: type, device: str) -> List[str]:
+    """What a system changed in the libraries it runs, for this device (reported)."""
+    fn = getattr(cls, "patches", None)
+    if fn is not None:
+        return list(fn(device))
+    return list(getattr(cls, "patched_for_cpu", ()))
+
+
 def _run_all(
     args: argparse.Namespace,
     plan: _Plan,
@@ -719,9 +796,7 @@ def _run_all(
                         {"system": name, "bytes_per_rank": b, "world_size": w, "reason": reason}
                     )
                     continue
-                results.patched += [
-                    p for p in getattr(cls, "patched_for_cpu", ()) if p not in results.patched
-                ]
+                results.patched += [p for p in _patches(cls, args.device) if p not in results.patched]
                 results.runs.append(
                     run_config(
                         name,
@@ -735,6 +810,7 @@ def _run_all(
                         shm_dir=args.shm_dir,
                         log=log,
                         warmup_saves=args.warmup_saves,
+                        device=args.device,
                     )
                 )
 
@@ -768,9 +844,12 @@ def _document(
             "ranks_per_node": args.ranks_per_node or "W/2",
             "warmup_saves": args.warmup_saves,
             "timed_iteration": ITERATION,
+            "device": args.device,
         },
         "rss_method": RSS_METHOD,
-        "patched_for_cpu": results.patched,
+        "patched_for_cpu": results.patched if args.device == "cpu" else [],
+        # what the systems changed in the libraries they run, for this device
+        "patched": results.patched,
         "limits": limits.to_dict() if limits else None,
         "skipped": results.skipped,
         "runs": results.runs,
@@ -782,9 +861,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..cli import extras
 
     quiet()
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
     extras.require("bench")
     plan = _Plan.from_args(args)
+    problem = device_problem(args.device)
+    if problem is not None:
+        parser.error(problem)  # usage and the reason on stderr, exit status 2, nothing started
     from . import report
 
     console = report.console()
@@ -803,7 +886,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .limits import measure_limits
 
         log("measuring the machine's limits" + (" (quick)" if args.quick else ""))
-        limits = measure_limits(quick=args.quick)
+        limits = measure_limits(quick=args.quick, device=args.device)
         log(report.format_limits(limits.to_dict()))
 
     _run_all(args, plan, systems, log, results)

@@ -17,6 +17,11 @@ unless ``dp_size`` says otherwise):
 Content is a pure function of ``(seed, key, rank or tp rank, iteration)``: restores are checked
 bit-exactly against freshly generated expectations, one tensor at a time (no second copy of the
 whole state). After fully parallel dedup a rank saves B/2 + B/(2*dp) bytes (0.75 B at W=2).
+
+``device`` places the live tensors (and a template's zeros): ``"cpu"`` or ``"cuda:<i>"``.
+Content is generated on the CPU (a CPU generator: the same bytes on any device) and copied to
+the device once; :func:`verify` compares on the CPU and reports tensors restored to another
+device than the one asked for.
 """
 
 from __future__ import annotations
@@ -396,6 +401,7 @@ class Workload:
         seed: int = 0,
         iteration: int = 0,
         fill: str = "random",
+        device: Any = "cpu",
     ):
         if fill not in ("random", "zeros"):
             raise ValidationError(f"fill={fill!r}: use 'random' (a state) or 'zeros' (a template)")
@@ -403,12 +409,15 @@ class Workload:
         self._mapping = _mapping_module(flavour)
         self.layout = layout(bytes_per_rank, world_size, rank, dp_size=dp_size, seed=seed)
         self.iteration = iteration
+        self.device = torch.device(device)
         self.tensors: Dict[Path, torch.Tensor] = {}
         for spec in self.layout.tensors:
             if fill == "zeros":
-                self.tensors[spec.path] = torch.zeros(spec.local_shape, dtype=spec.dtype)
+                self.tensors[spec.path] = torch.zeros(spec.local_shape, dtype=spec.dtype, device=self.device)
             else:
-                self.tensors[spec.path] = expected_tensor(self.layout, spec, iteration)
+                self.tensors[spec.path] = expected_tensor(self.layout, spec, iteration).to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a state is complete before anyone saves it
 
     def advance(self, iteration: int) -> None:
         """Training went on to ``iteration``: mutate every tensor in place (cheaply)."""
@@ -457,17 +466,17 @@ def build(
 # --- verification --------------------------------------------------------------------------
 
 
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat CPU uint8 tensor (copied from a device if need be)."""
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
-        return (
-            a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(
-                a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-            )
-        )
+        # bytes, not values (NaN payloads count), compared on the CPU whatever the devices
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_host_bytes(a), _host_bytes(b))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
             isinstance(a, np.ndarray)
@@ -484,6 +493,10 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
 def _leaf_paths(d: Any, prefix: Path = ()) -> Iterator[Path]:
     if isinstance(d, dict):
         for k, v in d.items():
@@ -492,12 +505,17 @@ def _leaf_paths(d: Any, prefix: Path = ()) -> Iterator[Path]:
         yield prefix
 
 
-def verify(restored: Any, lay: Layout, iteration: int, *, limit: int = 5) -> List[str]:
+def verify(
+    restored: Any, lay: Layout, iteration: int, *, limit: int = 5, device: Optional[Any] = None
+) -> List[str]:
     """Compare a restored (plain) state dict with the state saved at ``iteration``.
 
     Returns up to ``limit`` descriptions of mismatches; empty means bit-exact. Expectations
     are generated one tensor at a time so the check needs no second copy of the state.
+    ``device`` (e.g. ``"cuda"`` or ``"cuda:0"``): every restored tensor must live there (a type
+    alone matches any index); None accepts any device.
     """
+    want_dev = None if device is None else torch.device(device)
     problems: List[str] = []
 
     def bad(msg: str) -> bool:
@@ -511,6 +529,10 @@ def verify(restored: Any, lay: Layout, iteration: int, *, limit: int = 5) -> Lis
             got = _get(restored, spec.path)
         except (KeyError, TypeError):
             if bad(f"missing tensor {'/'.join(spec.path)}"):
+                return problems
+            continue
+        if want_dev is not None and isinstance(got, torch.Tensor) and not _on(got, want_dev):
+            if bad(f"tensor {'/'.join(spec.path)} was restored to {got.device}, expected {want_dev}"):
                 return problems
             continue
         want = expected_tensor(lay, spec, iteration)
