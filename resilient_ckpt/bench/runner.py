@@ -726,7 +726,7 @@ class _Plan:
     def from_args(cls, args: argparse.Namespace) -> "_Plan":
         sizes = args.sizes or ([64 << 20] if args.quick else [s << 20 for s in (64, 256, 1024, 2048)])
         world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
-        reps = args.reps or (1 if args.quick else 3)
+        reps = args.reps if args.reps is not None else (1 if args.quick else 3)
         if reps < 1 or args.replication_factor < 1:
             raise ValidationError("--reps and --replication-factor must be at least 1")
         return cls(sizes, world_sizes, reps)
