@@ -647,7 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="small and fast (< 2 min): 64M, W=2, 1 rep, small limit buffers"
     )
     p.add_argument("--no-limits", action="store_true", help="skip measuring the machine's limits")
-    p.add_argument("--json", metavar="PATH", help="write results as JSON")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help='write results as JSON (also after each configuration, with "partial": true, '
+        "so an interrupted run keeps what finished)",
+    )
     p.add_argument("--plot", metavar="PATH", help="write a PNG: seconds vs size")
     p.add_argument("--shm-dir", default="/dev/shm", help="where node store roots go (tmpfs)")
     p.add_argument(
@@ -783,8 +788,10 @@ def _run_all(
     systems: List[Tuple[str, str, type]],
     log: Callable[[str], None],
     results: _Results,
+    after_each: Callable[[], None] = lambda: None,
 ) -> None:
-    """Every configuration: world sizes, then sizes, then systems."""
+    """Every configuration: world sizes, then sizes, then systems; ``after_each`` runs after
+    each configuration that ran."""
     for w in plan.world_sizes:
         rpn = args.ranks_per_node or default_ranks_per_node(w)
         for b in plan.sizes:
@@ -813,6 +820,7 @@ def _run_all(
                         device=args.device,
                     )
                 )
+                after_each()
 
 
 def _document(
@@ -889,7 +897,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         limits = measure_limits(quick=args.quick, device=args.device)
         log(report.format_limits(limits.to_dict()))
 
-    _run_all(args, plan, systems, log, results)
+    def write_partial() -> None:
+        # an interrupted run (a time limit, a crash) keeps the configurations that finished
+        if args.json:
+            doc = _document(args, plan, systems, limits, results, t_start, load_before)
+            doc["comparisons"] = report.comparisons(doc)
+            doc["partial"] = True
+            report.write_json(doc, args.json)
+
+    _run_all(args, plan, systems, log, results, after_each=write_partial)
     doc = _document(args, plan, systems, limits, results, t_start, load_before)
     doc["comparisons"] = report.comparisons(doc)
     report.render(doc, console)
