@@ -268,3 +268,59 @@ def test_a_shard_without_data_takes_the_general_path(tmp_root):
         assert not m.save_local(sd, 3, is_async=False).metrics.structure_cached
         # The cache still describes the unchanged structure, which comes back.
         assert m.save_local(_state(4), 4, is_async=False).metrics.structure_cached
+
+
+# ---- restoring into the structure that was saved ----------------------------------------------
+
+
+def _two_rank_state(rank: int, step: int, fill: bool = True, moved: bool = False):
+    g = torch.Generator().manual_seed(step)
+    w = torch.randn(16, 8, generator=g)
+    u = torch.randn(8, 4, generator=g)[rank * 4 : rank * 4 + 4]
+    if not fill:
+        w, u = torch.zeros_like(w), torch.zeros_like(u)
+    sd = {
+        "model": {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=rank)},
+        "u": ShardedTensor.from_rank_offsets("u", u, (0, rank, 2)),
+        "rng": ShardedObject("rng", {"rank": rank, "step": step}, (2,), (rank,)),
+        "step": step,
+    }
+    if moved:  # same shards, another place in the tree: a different structure, still loadable
+        sd["elsewhere"] = sd.pop("model")
+    return sd
+
+
+def _restore_counting_validations(ctx, moved_on):
+    import resilient_ckpt.parallel.tensor_aware_state_dict as tasd_mod
+
+    calls = []
+    real = tasd_mod.validate_sharding_integrity
+    tasd_mod.validate_sharding_integrity = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    m = CheckpointManager("restore", store_root=ctx.store_root, replication_factor=2, timeout_s=30)
+    for step in (1, 2):
+        m.save_local(_two_rank_state(ctx.rank, step), step).wait()
+    m.close()
+    calls.clear()
+    m = CheckpointManager("restore", store_root=ctx.store_root, replication_factor=2, timeout_s=30)
+    moved = ctx.rank in moved_on
+    state, it = m.load_local(_two_rank_state(ctx.rank, 0, fill=False, moved=moved))
+    m.close()
+    want = _two_rank_state(ctx.rank, 2, moved=moved)
+    wkey = "elsewhere" if moved else "model"
+    exact = torch.equal(state[wkey]["w"], want[wkey]["w"].data) and torch.equal(state["u"], want["u"].data)
+    return it, exact, state["rng"], len(calls)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("moved_on", [(), (1,)])
+def test_restoring_the_saved_structure_skips_the_world_wide_record_check(tmp_root, moved_on):
+    from harness import run_ranks
+
+    out = run_ranks(
+        _restore_counting_validations, 2, tmp_root, ranks_per_node=1, args=(moved_on,), timeout=120
+    )
+    for rank, (it, exact, rng, validations) in enumerate(out):
+        assert it == 2 and exact and rng == {"rank": rank, "step": 2}
+        # Same structure everywhere: one all-reduce decides. A template that differs on any
+        # rank: every rank runs the full check (once), and the load still succeeds.
+        assert validations == (1 if moved_on else 0), out

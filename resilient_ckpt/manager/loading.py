@@ -30,6 +30,7 @@ from ..parallel.opaque_state_dict import is_opaque, load_opaque
 from ..parallel.tensor_aware_state_dict import (
     MCoreTensorAwareStateDict,
     check_restorable,
+    prepare_template,
     template_targets,
 )
 from ..replication.placement import plan_retrieval
@@ -93,14 +94,18 @@ class LoadPath:
         # Local steps that may fail on one rank only travel with the next collective, so every
         # rank stops together (never a peer left in a gather until a timeout).
         local: Optional[BaseException] = None
+        raw_template = template
         try:
+            if template is not None:
+                # Walked once here; every step below takes the prepared template.
+                template = prepare_template(template)
             targets = template_targets(template) if template is not None else {}
         except Exception as e:
             local, targets = e, {}
         tier = self._persistent_tier()
         holdings = None
         if tier is not None:
-            out, holdings = self._maybe_load_persistent(tier, template, t0, local)
+            out, holdings = self._maybe_load_persistent(tier, raw_template, t0, local)
             if out is not None:
                 return out
         retrieved, iteration = self._retrieve_latest(
@@ -193,7 +198,12 @@ class LoadPath:
             logger.debug("cannot vouch for iteration %d before restoring it: %s", iteration, e)
             decoded = {}
         checked = check_restorable(
-            template, saved, self._parallel_group(), strict, validation_group=self._control_group()
+            template,
+            saved,
+            self._parallel_group(),
+            strict,
+            validation_group=self._control_group(),
+            own=decoded.get(self.rank),
         )
         # The fill into this template need not validate its integrity again (a world-wide
         # gather and check of every shard record: seconds at 50k tensors).

@@ -163,18 +163,36 @@ def _sharded_objects(tree: Any) -> List[ShardedObject]:
     return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
 
 
+@dataclass
+class PreparedTemplate:
+    """A load template taken apart once (``preprocess`` and its leaves): a restore checks it,
+    lists its target tensors and fills it, and accepts this wherever it takes a template, so
+    a 50k-shard template is walked once, not once per step. The fill writes into
+    ``sharded``: prepare again for another load."""
+
+    sharded: Any
+    common: Any
+    nonpersistent: Any
+    factories: Any
+    shards: List[ShardedTensor]
+    objects: List[ShardedObject]
+
+
+def prepare_template(template: Any) -> PreparedTemplate:
+    if isinstance(template, PreparedTemplate):
+        return template
+    sharded, common, nonpersistent, factories = preprocess(template or {})
+    return PreparedTemplate(
+        sharded, common, nonpersistent, factories, _sharded_tensors(sharded), _sharded_objects(sharded)
+    )
+
+
 def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
     """Shard id -> the tensor a template's ShardedTensor carries (where restored bytes can be
     written in place, see ``to_state_dict(load_into_template=True)``)."""
     if not sharded_state_dict:
         return {}
-    sharded, _common, _nonpersistent, _factories = preprocess(sharded_state_dict)
-    out: Dict[Any, torch.Tensor] = {}
-    for st in _sharded_tensors(sharded):
-        d = st.data
-        if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
-            out.setdefault(st.shard_id, d)
-    return out
+    return _template_targets(prepare_template(sharded_state_dict).shards)
 
 
 #: ``to_bytes`` format with the sharded tree split into skeleton + shard table (1: whole tree).
@@ -389,6 +407,7 @@ def check_restorable(
     strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     validation_group: Optional[dist.ProcessGroup] = None,
     local_error: Optional[BaseException] = None,
+    own: Optional["MCoreTensorAwareStateDict"] = None,
 ) -> bool:
     """Decide, before any byte of a restore is written, whether :meth:`to_state_dict` into
     ``template`` will pass its checks (collective over ``group``; ``validation_group`` as for
@@ -401,15 +420,25 @@ def check_restorable(
     its dtype and shape are checked against what was saved. Raises on every rank together
     (a rank whose preparation failed passes ``local_error``). Returns whether the checks ran
     (the same on every rank): then the template's sharding integrity is established and
-    ``to_state_dict`` into the same template may skip it (``validate_access_integrity=False``)."""
+    ``to_state_dict`` into the same template may skip it (``validate_access_integrity=False``).
+
+    ``own``: this rank's own saved checkpoint (hollow), when it has it. The usual restart
+    restores into the structure it saved: if every rank's template has exactly its own
+    checkpoint's structure (tree, every shard's and object's metadata), the save's checks
+    (integrity validated job-wide at the first save of that structure) already cover it and
+    one all-reduce decides, instead of gathering and checking every shard record."""
     group = _default_group(group)
     local = {"rank": _my_global_rank(), "error": None, "unknown": saved is None}
     saved = saved or []
+    template = None if local_error is not None else _prepare_or_error(template)
+    if isinstance(template, BaseException):
+        local_error, template = template, None
+    if _all_same_structure(template, own, validation_group, local_error):
+        return True
     try:
         if local_error is not None:
             raise local_error
         strict = parse_strict_flag(strict)
-        sharded, *_ = preprocess(template or {})
         held = [
             (st.shard_id, dtype_name(st.dtype), tuple(st.local_shape))
             for h in saved
@@ -418,11 +447,7 @@ def check_restorable(
         objects = [o for h in saved for o in _sharded_objects(h.sharded_state_dict)]
         keys = {st.key for h in saved for st in _sharded_tensors(h.sharded_state_dict)}
         keys |= {o.key for o in objects}
-        local.update(
-            _load_facts(
-                _sharded_tensors(sharded), _sharded_objects(sharded), held, objects, keys, True, need_all=True
-            )
-        )
+        local.update(_load_facts(template.shards, template.objects, held, objects, keys, True, need_all=True))
     except Exception as e:  # reported to every rank below
         local_error = e
         local["error"] = f"{type(e).__name__}: {e}"
@@ -431,6 +456,49 @@ def check_restorable(
     if any(g["unknown"] for g in scope) or not any(g["requested"] for g in members):
         return False
     _load_verdict(scope, members, collectives.group_rank(group), strict, True, True, _SilentLog)
+    return True
+
+
+def _prepare_or_error(template: Any):
+    try:
+        return prepare_template(template)
+    except Exception as e:  # travels with the next collective
+        return e
+
+
+def _all_same_structure(template, own, validation_group, local_error) -> bool:
+    """Collective over every rank of the job (``validation_group`` or the world, as the full
+    check's gather; one all-reduce, also with an error, which then travels in that gather):
+    does every rank's template have its own checkpoint's structure?"""
+    same = False
+    if local_error is None and template is not None and own is not None:
+        try:
+            same = _same_structure(template, own)
+        except Exception:  # e.g. a template leaf the walk cannot take: the full check decides
+            same = False
+    if not dist.is_initialized():
+        return same
+    scope = validation_group if validation_group is not None else dist.group.WORLD
+    return collectives.all_agree(same, scope)
+
+
+def _same_structure(template: PreparedTemplate, saved: "MCoreTensorAwareStateDict") -> bool:
+    t_skeleton, t_rows, t_objects = hollow_parts(template.sharded)
+    s_skeleton, s_rows, s_objects = hollow_parts(saved.sharded_state_dict)
+    return (
+        t_rows == s_rows
+        and t_skeleton == s_skeleton
+        and [object_record(o) for o in t_objects] == [object_record(o) for o in s_objects]
+        and _str_keys_above_sharded(t_skeleton)
+    )
+
+
+def _str_keys_above_sharded(skeleton: Any) -> bool:
+    # == treats 1, 1.0 and True alike: only str keys make the comparison exact.
+    if isinstance(skeleton, dict):
+        return all(type(k) is str and _str_keys_above_sharded(v) for k, v in skeleton.items())
+    if isinstance(skeleton, list):
+        return all(_str_keys_above_sharded(v) for v in skeleton)
     return True
 
 
@@ -842,7 +910,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         fully_parallel = _check_algo(algo)
         exchange_algo = check_algo(exchange_algo)
         strict = parse_strict_flag(strict)
-        sharded, _common, nonpersistent, factories = preprocess(template or {})
+        prepared = prepare_template(template)
         held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
         for sid, t in (extra_held or {}).items():
             held.setdefault(sid, t)
@@ -850,11 +918,11 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)}
         ckpt_keys |= {o.key for o in held_objects.values()}
         req = _LoadRequest(
-            sharded,
-            nonpersistent,
-            factories,
-            _sharded_tensors(sharded),
-            _sharded_objects(sharded),
+            prepared.sharded,
+            prepared.nonpersistent,
+            prepared.factories,
+            prepared.shards,
+            prepared.objects,
             held,
             held_objects,
             ckpt_keys,
