@@ -192,11 +192,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("distribution compute", _PKG + "parallel.tensor_aware_state_dict:compute_distribution", "phase"),
     ("validation", _PKG + "parallel.tensor_aware_state_dict:validate_sharding_integrity", "phase"),
     # hollow state dict <-> codec bytes
-    (
-        "hollow encoding",
-        _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict.to_bytes",
-        "encode",
-    ),
+    # (to_bytes delegates to hollow_encoding: wrapping both would count the bytes twice)
     (
         "hollow decoding",
         _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict.from_bytes",
@@ -205,7 +201,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     (
         "hollow encoding",
         _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict.hollow_encoding",
-        "phase",
+        "encode",
     ),
     ("hollow encoding", _PKG + "manager.saving:encode_hollow", "encode"),
     # header: the tensor table, pack / unpack, the files
@@ -450,7 +446,7 @@ class PhaseProfiler:
                 if frames:
                     frames[-1][2] += dt
             if kind == "encode":
-                enc = len(out)
+                enc = len(getattr(out, "meta", out))  # bytes, or a HollowEncoding's bytes
             elif kind == "gather":
                 payload = args[0]
                 sent = len(payload)
