@@ -92,12 +92,39 @@ _PRELOAD = [
 ]
 
 
-def mp_context(preload: Sequence[str] = ()):
+#: What a fork server whose ranks use CUDA may preload: these modules do not initialise CUDA at
+#: import. Preloading the baseline (megatron-core, nvrx's async queue) on a CUDA build left every
+#: rank forked from the server failing its first CUDA call with "Cannot re-initialize CUDA in
+#: forked subprocess" (seen on an H200 with torch 2.11+cu130).
+CUDA_SAFE_PRELOAD = (
+    "resilient_ckpt",
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "resilient_ckpt.bench.workload",
+)
+_cuda_ranks = False  # set by mp_context(cuda=True) in the parent; sticky for the run
+
+
+def mp_context(preload: Sequence[str] = (), *, cuda: bool = False):
+    """The bench's fork server. ``cuda``: its ranks will use the GPU, so it preloads only
+    :data:`CUDA_SAFE_PRELOAD` and each rank imports the rest itself right after it starts
+    (:func:`deferred_imports`), every system alike. The first call that starts the server wins."""
+    global _cuda_ranks
+    _cuda_ranks = _cuda_ranks or cuda
     ctx = mp.get_context("forkserver")
     # Only effective before the fork server starts (the first launch): heavy imports such as
     # megatron-core (~3 s) then happen once, not in every rank of every phase.
-    ctx.set_forkserver_preload(list(dict.fromkeys(_PRELOAD + list(preload))))
+    wanted = list(dict.fromkeys(_PRELOAD + list(preload)))
+    ctx.set_forkserver_preload([m for m in wanted if m in CUDA_SAFE_PRELOAD] if _cuda_ranks else wanted)
     return ctx
+
+
+def deferred_imports(preload: Sequence[str] = ()) -> List[str]:
+    """The modules a rank imports itself after starting (the fork server left them out)."""
+    if not _cuda_ranks:
+        return []
+    return [m for m in dict.fromkeys(_PRELOAD + list(preload)) if m not in CUDA_SAFE_PRELOAD]
 
 
 def quiet() -> None:
@@ -110,7 +137,15 @@ def quiet() -> None:
 
 
 def _entry(
-    fn, ctx: RankContext, port: int, args, result_q, hold: bool, init_pg: bool, pg_timeout_s: float
+    fn,
+    ctx: RankContext,
+    port: int,
+    args,
+    result_q,
+    hold: bool,
+    init_pg: bool,
+    pg_timeout_s: float,
+    imports: Sequence[str] = (),
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -122,8 +157,13 @@ def _entry(
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     )
     quiet()
+    import importlib
+
     import torch
     import torch.distributed as dist
+
+    for module in imports:  # what the fork server could not preload (see mp_context)
+        importlib.import_module(module)
 
     # W ranks share this machine's cores: one intra-op thread each, as one rank per GPU would.
     torch.set_num_threads(1)
@@ -226,7 +266,8 @@ def launch(
     ctx_mp = mp_context(preload)
     port = free_port()
     q = ctx_mp.Queue()
-    entry_args = (port, tuple(args), q, hold, init_process_group, max(timeout, 60.0))
+    imports = tuple(deferred_imports(preload))
+    entry_args = (port, tuple(args), q, hold, init_process_group, max(timeout, 60.0), imports)
     procs = [
         _start_rank(
             ctx_mp,

@@ -886,8 +886,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_start = time.monotonic()
     results = _Results()
     systems = _load_systems(args.systems, log, results)
-    # One fork server for the whole run, with every system's module preloaded (first use wins).
-    mp_context([spec.partition(":")[0] for _, spec, _ in systems])
+    # One fork server for the whole run, with every system's module preloaded (first use wins;
+    # with --device cuda, the modules that initialise CUDA at import load in each rank instead).
+    mp_context([spec.partition(":")[0] for _, spec, _ in systems], cuda=args.device == "cuda")
     load_before = os.getloadavg(), _cpu_pressure()
     limits = None
     if not args.no_limits:
