@@ -5,13 +5,17 @@ The save path on CUDA is its own code: the store segment is page-locked with
 stream; a restore reads the node's copy on the host and copies it into the CUDA templates. Every
 test here needs a GPU and is skipped without one. Multi-rank tests use tests/harness.py (real
 processes, gloo on 127.0.0.1, one store root per simulated node) with every rank on ``cuda:0``:
-one GPU cannot host two NCCL ranks, and the manager's own groups are gloo anyway.
+one GPU cannot host two NCCL ranks, and the manager's own groups are gloo anyway. Store roots
+are on ``/dev/shm`` (tmpfs), where a real store lives: its segments are what gets page-locked.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +30,14 @@ RUN = dict(timeout=120, collective_timeout=60)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_root():
+    """A scratch store root on tmpfs (``/dev/shm``), as in production; removed afterwards."""
+    d = tempfile.mkdtemp(prefix="rckpt-test-cuda-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _random(shape, dtype, seed: int) -> torch.Tensor:
@@ -75,11 +87,11 @@ def _one_of_each() -> dict:
     }
 
 
-def test_cuda_tensors_of_every_kind_restore_bit_exactly_into_cuda_templates(tmp_root):
+def test_cuda_tensors_of_every_kind_restore_bit_exactly_into_cuda_templates(shm_root):
     tensors = _one_of_each()
     assert not tensors["strided"].is_contiguous() and tensors["scalar"].dim() == 0
     expected = {k: t.cpu().clone() for k, t in tensors.items()}
-    m = CheckpointManager("cuda-kinds", store_root=str(tmp_root), replication_factor=1)
+    m = CheckpointManager("cuda-kinds", store_root=str(shm_root), replication_factor=1)
     try:
         h = m.save_local({k: _st(k, t) for k, t in tensors.items()}, 7)
         h.wait_staged()
@@ -88,7 +100,7 @@ def test_cuda_tensors_of_every_kind_restore_bit_exactly_into_cuda_templates(tmp_
         m.close()
     # A restart: a fresh manager on the same store restores into the model's (CUDA) tensors.
     template = _cuda_template(tensors)
-    with CheckpointManager("cuda-kinds", store_root=str(tmp_root), replication_factor=1) as again:
+    with CheckpointManager("cuda-kinds", store_root=str(shm_root), replication_factor=1) as again:
         state, it = again.load_local(template)
     assert it == 7
     assert sorted(state) == sorted(expected)
@@ -101,7 +113,7 @@ def test_cuda_tensors_of_every_kind_restore_bit_exactly_into_cuda_templates(tmp_
 # ---- b. ordering with the producer stream ----------------------------------------------------------
 
 
-def test_the_snapshot_waits_for_the_producer_and_ignores_writes_after_wait_staged(tmp_root):
+def test_the_snapshot_waits_for_the_producer_and_ignores_writes_after_wait_staged(shm_root):
     """The saved tensor comes out of a long chain of matmuls that is still running when
     ``save_local`` is called (no synchronize), and is overwritten on the same stream right after
     ``wait_staged()``: the checkpoint holds exactly the chain's result, never the buffer's old
@@ -112,7 +124,7 @@ def test_the_snapshot_waits_for_the_producer_and_ignores_writes_after_wait_stage
     x0 = torch.randn(n, n, device="cuda", generator=g)
     out = torch.zeros(n, n, device="cuda")
     template = {"out": _st("out", torch.empty(n, n, device="cuda"))}
-    m = CheckpointManager("cuda-order", store_root=str(tmp_root), replication_factor=1)
+    m = CheckpointManager("cuda-order", store_root=str(shm_root), replication_factor=1)
     try:
         for it in (1, 2, 3):  # later saves stage into recycled, already page-locked segments
             torch.cuda.synchronize()
@@ -224,10 +236,10 @@ def _restore_on_cuda(ctx):
 
 
 @pytest.mark.multiprocess
-def test_two_nodes_on_one_gpu_restore_a_replaced_node_from_its_peer_into_cuda_templates(tmp_root):
-    assert run_ranks(_save_on_cuda, 2, tmp_root, ranks_per_node=1, **RUN) == [True, True]
-    shutil.rmtree(node_store_root(str(tmp_root), 1))  # node 1 replaced: its memory is gone
-    out = run_ranks(_restore_on_cuda, 2, tmp_root, ranks_per_node=1, **RUN)
+def test_two_nodes_on_one_gpu_restore_a_replaced_node_from_its_peer_into_cuda_templates(shm_root):
+    assert run_ranks(_save_on_cuda, 2, shm_root, ranks_per_node=1, **RUN) == [True, True]
+    shutil.rmtree(node_store_root(str(shm_root), 1))  # node 1 replaced: its memory is gone
+    out = run_ranks(_restore_on_cuda, 2, shm_root, ranks_per_node=1, **RUN)
     assert [o["iteration"] for o in out] == [20, 20]
     assert [o["source"] for o in out] == ["local", "peer"]
     assert [o["exact"] for o in out] == [True, True]
@@ -263,9 +275,9 @@ def _snapshot(state: TrainState):
     return params, opt_state, [dict(g) for g in opt["param_groups"]], dict(state.extra)
 
 
-def test_a_cuda_model_and_adamw_resume_bit_exactly_through_the_hook(tmp_root):
+def test_a_cuda_model_and_adamw_resume_bit_exactly_through_the_hook(shm_root):
     state = _cuda_train_state(0)
-    manager = CheckpointManager("cuda-hook", store_root=str(tmp_root), replication_factor=1)
+    manager = CheckpointManager("cuda-hook", store_root=str(shm_root), replication_factor=1)
     hook = CheckpointHook(manager, every_n_steps=2, state=state)
     for step in range(5):
         _train_step(state)
@@ -281,7 +293,7 @@ def test_a_cuda_model_and_adamw_resume_bit_exactly_through_the_hook(tmp_root):
     assert any(not torch.equal(params[k], v) for k, v in state.model.state_dict().items())
 
     fresh = _cuda_train_state(1)
-    with CheckpointManager("cuda-hook", store_root=str(tmp_root), replication_factor=1) as again:
+    with CheckpointManager("cuda-hook", store_root=str(shm_root), replication_factor=1) as again:
         assert CheckpointHook(again, 2, state=fresh).restore() == 4
     got_params, got_opt, got_groups, got_extra = _snapshot(fresh)
     for k, want in params.items():
