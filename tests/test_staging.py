@@ -22,7 +22,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def _all_dtypes(device: str):
     """Every dtype torch offers that can hold data on ``device`` (creation and same-dtype copy
-    work); sub-byte and quantized dtypes have no copy kernel and cannot be checkpointed."""
+    work); sub-byte and quantized dtypes have no copy kernel and cannot be checkpointed. Probed
+    with what the tests do: a byte view moved to the device, cloned plain, transposed and
+    strided, and copied back (on CUDA, e.g. Int1 is created but has no copy kernel)."""
     out = []
     for name in dir(torch):
         dt = getattr(torch, name)
@@ -30,7 +32,8 @@ def _all_dtypes(device: str):
             continue
         try:
             torch.empty(4, dtype=dt, device=device).clone()
-            torch.empty(16, dtype=torch.uint8, device=device).view(dt)
+            t = torch.zeros(64, dtype=torch.uint8).view(dt).reshape(2, -1).to(device)
+            t.clone(), t.t().clone(), t[:, ::2].clone(), t.cpu()
         except (RuntimeError, TypeError, NotImplementedError):
             continue
         out.append(dt)
