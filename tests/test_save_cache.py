@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
-from resilient_ckpt.memory.store import CheckpointId, dense_runs, plan_layout
+from resilient_ckpt.memory.store import CheckpointId, dense_runs, plan_layout, plan_layout_runs
 from resilient_ckpt.model import codec, shard_table
 from resilient_ckpt.model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from resilient_ckpt.parallel.tensor_aware_state_dict import (
@@ -166,6 +166,7 @@ def test_state_dicts_that_need_the_general_path_are_not_plain():
 def test_layout_packs_each_dtype_densely_and_runs_cover_every_byte_once(specs):
     layouts, total = plan_layout(specs)
     runs = dense_runs(layouts)
+    assert plan_layout_runs(specs) == (layouts, total, runs)  # planned together, derived apart
     covered = sorted(i for r in runs for i in r.indexes)
     assert covered == [i for i, lay in enumerate(layouts) if lay.nbytes]
     assert len({r.dtype for r in runs}) == len(runs)  # one run per dtype

@@ -205,8 +205,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ),
     ("hollow encoding", _PKG + "manager.saving:encode_hollow", "encode"),
     # header: the tensor table, pack / unpack, the files
-    ("layout planning", _PKG + "manager.saving:plan_layout", "phase"),
-    ("layout planning", _PKG + "manager.saving:dense_runs", "phase"),
+    ("layout planning", _PKG + "manager.saving:plan_layout_runs", "phase"),
     ("header pack", _PKG + "memory.store:CheckpointHeader.pack", "encode"),
     ("header unpack", _PKG + "memory.store:CheckpointHeader.unpack", "phase"),
     ("header publish", _PKG + "memory.store:CheckpointStore.publish", "phase"),

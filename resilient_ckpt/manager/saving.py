@@ -28,16 +28,14 @@ from ..errors import (
 )
 from ..gc_pause import paused_gc
 from ..memory import checksum
-from ..memory.staging import StagingHandle
+from ..memory.staging import RunPlan, StagingHandle
 from ..memory.store import (
     CheckpointHeader,
     CheckpointId,
-    DenseRun,
     Segment,
     TensorLayout,
-    dense_runs,
     new_layout,
-    plan_layout,
+    plan_layout_runs,
     writer_name,
 )
 from ..parallel import collectives
@@ -106,7 +104,7 @@ class _SnapshotCache:
     saved: Tuple[bool, ...]
     layouts: List[TensorLayout]
     total: int
-    runs: List[DenseRun]
+    plan: RunPlan  # the dense runs, whose views the prefetcher makes ahead in the next segment
     saved_index: List[int] = field(init=False)
 
     def __post_init__(self):
@@ -225,8 +223,7 @@ class SavePath:
         encoding of a ``cacheable`` (plain) state dict is kept for the cached saves that follow
         (:meth:`_stage_cached`)."""
         tensors = list(tasd.tensors)
-        layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
-        runs = dense_runs(layouts)
+        layouts, total, runs = plan_layout_runs([(t.dtype, t.shape) for t in tensors])
         self._start_copies(tensors, layouts, total, runs, iteration, staged)
         popped = tasd.pop_tensors()
         try:
@@ -234,7 +231,7 @@ class SavePath:
                 enc = tasd.hollow_encoding(allow_pickle=self.options.allow_pickle)
                 meta = enc.meta
                 self._snapshot_cache = _SnapshotCache(
-                    self._distribution, enc, tasd.saved_mask, layouts, total, runs
+                    self._distribution, enc, tasd.saved_mask, layouts, total, RunPlan(runs, layouts)
                 )
             else:
                 meta = tasd.to_bytes(allow_pickle=self.options.allow_pickle)
@@ -259,7 +256,7 @@ class SavePath:
         devices = [("cpu" if t.is_cpu else t.device.type) for t in tensors]
         if "meta" in devices:
             return False  # the general path raises the error that names it
-        self._start_copies(tensors, cache.layouts, cache.total, cache.runs, iteration, staged)
+        self._start_copies(tensors, cache.layouts, cache.total, cache.plan.runs, iteration, staged)
         enc = cache.encoding
         meta = encode_hollow(
             parts.common,
@@ -508,7 +505,9 @@ class SavePath:
             self._retire()
         except OSError as e:  # the save itself is complete; retiring is retried next time
             logger.warning("could not retire old checkpoints in %s: %s", self.store.dir, e)
-        self._prefetcher.prefetch(job.header.data_nbytes)
+        cache = self._snapshot_cache
+        plan = cache.plan if cache is not None and cache.total == job.header.data_nbytes else None
+        self._prefetcher.prefetch(job.header.data_nbytes, plan)
         self.last_save_metrics = job.metrics
         logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())
 

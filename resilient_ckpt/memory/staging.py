@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -82,19 +82,21 @@ class Stager:
         started = time.perf_counter()
         if runs is None:
             runs = dense_runs(layouts)
+        prepared = segment.views_for(runs)
         cuda, cpu = [], []
-        for run in runs:
+        for k, run in enumerate(runs):
             srcs = [tensors[i] for i in run.indexes]
-            region = segment.buffer[run.offset : run.offset + run.nbytes].view(run.dtype)
+            # The run's destination: its views made ahead by the prefetcher, or its flat region.
+            dst = prepared[k] if prepared is not None else run_region(segment, run)
             on_cuda = [t.is_cuda for t in srcs]
             if not any(on_cuda):
-                cpu.append((region, srcs))
+                cpu.append((dst, srcs))
             elif all(on_cuda):
-                cuda.append((region, srcs))
+                cuda.append((dst, srcs))
             else:  # a mixed run: each device's tensors separately, through their own views
-                dsts = torch._C._nn.unflatten_dense_tensors(region, srcs)
-                for dst, src, dev in zip(dsts, srcs, on_cuda):
-                    (cuda if dev else cpu).append((dst.view(-1), [src]))
+                dsts = _views(dst, srcs)
+                for d, src, dev in zip(dsts, srcs, on_cuda):
+                    (cuda if dev else cpu).append(([d], [src]))
         event = None
         if cuda:
             segment.pin()
@@ -116,10 +118,29 @@ class Stager:
         self._pool.shutdown(wait=True)
 
 
-def _copy_run(region: torch.Tensor, srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
-    """Copy ``srcs`` back to back into the flat ``region`` (views made in one call)."""
-    dsts = torch._C._nn.unflatten_dense_tensors(region, srcs)
-    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+def run_region(segment: Segment, run: DenseRun) -> torch.Tensor:
+    """A run's bytes in ``segment`` as one flat tensor of its dtype."""
+    return segment.buffer[run.offset : run.offset + run.nbytes].view(run.dtype)
+
+
+def _views(dst, likes: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """``dst`` as per-tensor views shaped like ``likes`` (one call for a whole flat region);
+    views already made are returned as they are."""
+    if isinstance(dst, (list, tuple)):
+        return dst
+    return torch._C._nn.unflatten_dense_tensors(dst, likes)
+
+
+def run_views(segment: Segment, runs: Sequence[DenseRun], likes: Sequence[Sequence[torch.Tensor]]):
+    """Every run's destination views in ``segment`` (``likes``: per run, tensors of the
+    shapes to view, e.g. on the meta device)."""
+    with paused_gc():
+        return [_views(run_region(segment, run), like) for run, like in zip(runs, likes)]
+
+
+def _copy_run(dst, srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
+    """Copy ``srcs`` into ``dst``: a flat region (viewed in one call) or its views."""
+    torch._foreach_copy_(_views(dst, srcs), srcs, non_blocking=non_blocking)
 
 
 def _copy_all(runs) -> None:
@@ -128,6 +149,26 @@ def _copy_all(runs) -> None:
     with torch.no_grad(), paused_gc():
         for region, srcs in runs:
             _copy_run(region, srcs)
+
+
+class RunPlan:
+    """A layout's dense runs and, made once on first use (in the prefetcher's thread), a meta
+    tensor per tensor of the shape to view: what preparing a segment's views needs."""
+
+    def __init__(self, runs: Sequence[DenseRun], layouts: Sequence[TensorLayout]):
+        self.runs = runs
+        self._layouts = layouts
+        self._likes: Optional[List[List[torch.Tensor]]] = None
+
+    def likes(self) -> List[List[torch.Tensor]]:
+        if self._likes is None:
+            lay = self._layouts
+            with paused_gc():
+                self._likes = [
+                    [torch.empty(lay[i].shape, dtype=run.dtype, device="meta") for i in run.indexes]
+                    for run in self.runs
+                ]
+        return self._likes
 
 
 class SegmentPrefetcher:
@@ -146,23 +187,36 @@ class SegmentPrefetcher:
         self._pending: Optional[Future] = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-prefetch")
 
-    def prefetch(self, nbytes: int) -> None:
-        """Start reserving a segment of ``nbytes`` in the background (no-op if one is ready)."""
+    def prefetch(self, nbytes: int, plan: Optional["RunPlan"] = None) -> None:
+        """Start reserving a segment of ``nbytes`` in the background (no-op if one is ready).
+        ``plan``: the layout the next save is expected to use (a cached save's): its views
+        into the segment are made ahead too, off the save's critical path."""
         with self._lock:
             if self._pending is not None and not self._pending.done():
                 return
             if self._ready is not None and self._ready.nbytes == nbytes:
+                if plan is not None and self._ready.views_for(plan.runs) is None:
+                    self._pending = self._pool.submit(self._prepare_views, self._ready, plan)
                 return
-            self._pending = self._pool.submit(self._reserve, nbytes)
+            self._pending = self._pool.submit(self._reserve, nbytes, plan)
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int, plan: Optional["RunPlan"] = None) -> None:
         seg = self.store.reserve(nbytes)
         if self.pin:
             seg.pin()
+        if plan is not None:
+            self._prepare_views(seg, plan)
         with self._lock:
             old, self._ready = self._ready, seg
         if old is not None:
             self.store.release(old)
+
+    @staticmethod
+    def _prepare_views(seg: Segment, plan: "RunPlan") -> None:
+        try:
+            seg.keep_views(plan.runs, run_views(seg, plan.runs, plan.likes()))
+        except Exception as e:  # only an optimisation: staging makes them itself
+            logger.debug("views for the next save not prepared: %s", e)
 
     def take(self, nbytes: int) -> Segment:
         """A reserved segment of exactly ``nbytes`` (reserved now if none is ready)."""

@@ -24,6 +24,7 @@ import errno
 import fcntl
 import itertools
 import logging
+import math
 import mmap
 import os
 import re
@@ -35,7 +36,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import msgpack
 import torch
@@ -225,23 +226,36 @@ def plan_layout(specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[L
     Tensors of one dtype are packed densely in their order, each dtype's run starting at an
     ``ALIGN`` boundary: a run is one flat typed region, so staging makes all its views and
     copies in one call each (:func:`dense_runs`) instead of a few Python calls per tensor."""
+    layouts, total, _runs = plan_layout_runs(specs)
+    return layouts, total
+
+
+def plan_layout_runs(
+    specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]],
+) -> Tuple[List[TensorLayout], int, List["DenseRun"]]:
+    """:func:`plan_layout` and its :func:`dense_runs`, computed together."""
     out: List[Optional[TensorLayout]] = [None] * len(specs)
     by_dtype: Dict[torch.dtype, List[int]] = {}
     for i, (dtype, _shape) in enumerate(specs):
         by_dtype.setdefault(dtype, []).append(i)
+    runs: List[DenseRun] = []
     pos = 0
     for dtype, idxs in by_dtype.items():
         name = str(dtype).replace("torch.", "")
         size = dtype.itemsize
+        start = pos
+        nonempty = []
         for i in idxs:
-            shape = tuple(int(s) for s in specs[i][1])
-            n = size
-            for s in shape:
-                n *= s
+            shape = tuple(specs[i][1])
+            n = size * math.prod(shape)
             out[i] = new_layout(pos, n, name, shape)
             pos += n
+            if n:
+                nonempty.append(i)
+        if nonempty:
+            runs.append(DenseRun(start, pos - start, dtype, tuple(nonempty)))
         pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-    return out, pos  # type: ignore[return-value]
+    return out, pos, runs  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -297,6 +311,16 @@ class Segment:
         else:
             self.buffer = torch.empty(0, dtype=torch.uint8)
         self.pinned = False
+        self._views: Optional[Tuple[Any, List[Any]]] = None
+
+    def keep_views(self, runs: Any, views: List[Any]) -> None:
+        """Remember staging's destination views for ``runs`` (made ahead by the prefetcher)."""
+        self._views = (runs, views)
+
+    def views_for(self, runs: Any) -> Optional[List[Any]]:
+        """The views kept for exactly this ``runs`` object, if any."""
+        kept = self._views
+        return kept[1] if kept is not None and kept[0] is runs else None
 
     def tensor(self, layout: TensorLayout) -> torch.Tensor:
         return (
@@ -349,6 +373,7 @@ class Segment:
         # but hold no buffer export, so mmap.close() would succeed under a live view and leave
         # it dangling (a later read segfaults). Dropping our references unmaps the segment as
         # soon as the last view is gone — at once in the normal case.
+        self._views = None
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._mmap = None
         if self._fd >= 0:
