@@ -286,3 +286,42 @@ def test_long_key_lists_are_truncated_with_a_count(caplog):
     keys = {f"k{i:02d}" for i in range(25)}
     with pytest.raises(ValidationError, match=r"\(\+5 more\)"):
         apply_strictness(StrictHandling.RAISE_UNEXPECTED, set(), keys, logging.getLogger("x"))
+
+
+_RECORD_VARIANTS = st.fixed_dictionaries(
+    {
+        "offset": st.sampled_from([(0, 0), (0, 2), (1, 0)]),
+        "extent": st.sampled_from([(4, 2), (2, 2), (4, 3)]),
+        "shape": st.sampled_from([(4, 2), (4, 4), (5, 2)]),
+        "dtype": st.sampled_from(["float32", "bfloat16"]),
+        "main": st.booleans(),
+        "mismatch": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_RECORD_VARIANTS, max_size=3), min_size=1, max_size=4), st.booleans())
+def test_the_whole_tensor_fast_case_never_changes_the_verdict_or_its_words(ranks, as_lists):
+    """Unsharded (possibly replicated) tensors are accepted after a few comparisons; every
+    other record set, valid or not, gets the full check: same outcome and message either way,
+    for records as built locally (tuples) and as msgpack returns them (lists)."""
+    import resilient_ckpt.model.validation as validation
+
+    def rec(v):
+        r = ("w", v["offset"], v["extent"], v["shape"], v["dtype"], v["main"], v["mismatch"])
+        return [list(x) if isinstance(x, tuple) else x for x in r] if as_lists else r
+
+    records = [[rec(v) for v in rank] for rank in ranks]
+
+    def outcome():
+        try:
+            validate_sharding_integrity(records)
+            return "ok"
+        except ValidationError as e:
+            return str(e)
+
+    fast = outcome()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(validation, "_whole_with_one_main", lambda entries: False)
+        assert outcome() == fast

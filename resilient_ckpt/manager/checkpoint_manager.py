@@ -262,6 +262,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         #: a checkpoint was restored by this manager
         self._restored = False
         self._integrity_checked_for = None  # the template check_restorable validated (load_local)
+        self._restore_check = None  # and what it established (a RestoreCheck)
         #: a save was started by this manager
         self._started = False
         self._complete: List[int] = []

@@ -29,6 +29,7 @@ from ..parallel import collectives
 from ..parallel.opaque_state_dict import is_opaque, load_opaque
 from ..parallel.tensor_aware_state_dict import (
     MCoreTensorAwareStateDict,
+    RestoreCheck,
     check_restorable,
     prepare_template,
     template_targets,
@@ -139,6 +140,7 @@ class LoadPath:
     def _fill(self, tasd, template, strict, extra):
         """The template filled through the load exchange (collective; this manager's groups)."""
         checked = template is not None and self._integrity_checked_for is template
+        same = checked and self._restore_check is RestoreCheck.SAME_STRUCTURE
         self._integrity_checked_for = None
         return tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
@@ -150,6 +152,7 @@ class LoadPath:
             load_into_template=True,
             extra_held=extra,
             validation_group=self._control_group(),
+            same_structure=same,
         )
 
     def _extra_shards(self, retrieved: Retrieved, tasd, iteration: int, targets) -> Dict[Any, torch.Tensor]:
@@ -208,6 +211,7 @@ class LoadPath:
         # The fill into this template need not validate its integrity again (a world-wide
         # gather and check of every shard record: seconds at 50k tensors).
         self._integrity_checked_for = template if checked else None
+        self._restore_check = checked
         return decoded
 
     def _warn_unrestorable(self, holdings: Holdings) -> None:

@@ -99,10 +99,13 @@ def validate_sharding_integrity(
     by_key: Dict[str, List[Tuple[int, ShardRecord]]] = defaultdict(list)
     for rank, recs in enumerate(global_shards):
         for rec in recs:
-            by_key[rec[0]].append((rank, _tuplify(rec)))
+            by_key[rec[0]].append((rank, rec))
     for key in sorted(by_key):
+        entries = by_key[key]
+        if _whole_with_one_main(entries):
+            continue
         # No early exit: the message counts the problems it does not show.
-        problems.extend(_check_tensor_key(key, by_key[key]))
+        problems.extend(_check_tensor_key(key, [(rank, _tuplify(rec)) for rank, rec in entries]))
     obj_by_key: Dict[str, List[Tuple[int, ObjectRecord]]] = defaultdict(list)
     for rank, recs in enumerate(global_objects):
         for rec in recs:
@@ -119,6 +122,24 @@ def validate_sharding_integrity(
             + "\nfix: every key's main replicas (replica_id 0) must tile its global shape once; "
             "check the rank offsets / replica ids your model's sharded_state_dict() produces"
         )
+
+
+def _whole_with_one_main(entries) -> bool:
+    """The most common key, checked in a few comparisons: one piece covering the whole
+    global shape from offset zero, the same on every rank holding it, exactly one main
+    replica (an unsharded tensor, possibly replicated over data parallel). False means only
+    "not this case": :func:`_check_tensor_key` then decides (and words any problem)."""
+    first = entries[0][1]
+    off, ext, shape, dtype, mismatch = first[1], first[2], first[3], first[4], first[6]
+    if any(o != 0 for o in off) or list(ext) != list(shape):
+        return False
+    mains = 0
+    for _rank, rec in entries:
+        if rec[1] != off or rec[2] != ext or rec[3] != shape or rec[4] != dtype or rec[6] != mismatch:
+            return False
+        if rec[5]:
+            mains += 1
+    return mains == 1
 
 
 def _tuplify(rec):

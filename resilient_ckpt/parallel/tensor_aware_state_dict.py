@@ -14,6 +14,7 @@ nvidia-resiliency-ext's ``LocalCheckpointManager`` accept it), with these differ
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -52,7 +53,7 @@ from .distribution import (
     compute_distribution,
     structure_fingerprint,
 )
-from .exchange import check_algo, dtype_name, execute_exchange, plan_exchange
+from .exchange import ExchangePlan, check_algo, dtype_name, execute_exchange, plan_exchange
 
 logger = logging.getLogger(__name__)
 
@@ -400,6 +401,14 @@ def _load_facts(
     return facts
 
 
+class RestoreCheck(enum.IntEnum):
+    """What :func:`check_restorable` established (the same on every rank; falsy: nothing)."""
+
+    UNCHECKED = 0  # some rank could not vouch: the load runs its own checks
+    CHECKED = 1  # the full gathered check passed: the template's integrity is established
+    SAME_STRUCTURE = 2  # every rank's template has its own checkpoint's structure
+
+
 def check_restorable(
     template: Any,
     saved: Optional[Sequence["MCoreTensorAwareStateDict"]],
@@ -408,7 +417,7 @@ def check_restorable(
     validation_group: Optional[dist.ProcessGroup] = None,
     local_error: Optional[BaseException] = None,
     own: Optional["MCoreTensorAwareStateDict"] = None,
-) -> bool:
+) -> RestoreCheck:
     """Decide, before any byte of a restore is written, whether :meth:`to_state_dict` into
     ``template`` will pass its checks (collective over ``group``; ``validation_group`` as for
     :meth:`MCoreTensorAwareStateDict.from_state_dict`).
@@ -434,7 +443,7 @@ def check_restorable(
     if isinstance(template, BaseException):
         local_error, template = template, None
     if _all_same_structure(template, own, validation_group, local_error):
-        return True
+        return RestoreCheck.SAME_STRUCTURE
     try:
         if local_error is not None:
             raise local_error
@@ -454,9 +463,9 @@ def check_restorable(
     scope, members = _gather(local, group, world_scope=True, scope_group=validation_group)
     _raise_first_error(scope, local_error)
     if any(g["unknown"] for g in scope) or not any(g["requested"] for g in members):
-        return False
+        return RestoreCheck.UNCHECKED
     _load_verdict(scope, members, collectives.group_rank(group), strict, True, True, _SilentLog)
-    return True
+    return RestoreCheck.CHECKED
 
 
 def _prepare_or_error(template: Any):
@@ -825,6 +834,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         load_into_template: bool = False,
         extra_held: Optional[Dict[Any, torch.Tensor]] = None,
         validation_group: Optional[dist.ProcessGroup] = None,
+        same_structure: bool = False,
     ):
         """Fill ``sharded_state_dict`` (the template) with this checkpoint's data.
 
@@ -834,7 +844,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         restore is most of the cost (fresh pages), and the model is loaded as a side effect.
         ``extra_held`` (our extension): more shards this rank can serve, by shard id — e.g. the
         tensors of a lost rank's replica kept on this rank's node. ``validation_group`` (our
-        extension): as for :meth:`from_state_dict`.
+        extension): as for :meth:`from_state_dict`. ``same_structure`` (our extension, with
+        ``fully_parallel``): :func:`check_restorable` returned ``SAME_STRUCTURE`` for this
+        template on every rank, so keys, shapes, dtypes and objects match by construction and
+        only the shards ranks lack are looked up (nothing travels when every rank has its own).
 
         With ``fully_parallel``, shards this rank did not save come from the ranks of
         ``parallelization_group`` that did. One metadata all-gather (over the world when
@@ -844,10 +857,13 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         group = _default_group(parallelization_group)
         n = collectives.group_size(group)
         me = collectives.group_rank(group)
+        args = (sharded_state_dict, algo, exchange_algo, strict, extra_held)
+        if same_structure and algo == "fully_parallel":
+            return self._fill_same_structure(args, group, n, load_into_template, return_mismatch_keys)
         # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
         # sees only part of each tensor-parallel tensor.
         req, scope, members = self._gather_load_facts(
-            (sharded_state_dict, algo, exchange_algo, strict, extra_held),
+            args,
             group,
             validate_access_integrity,
             validation_group,
@@ -879,6 +895,49 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         elif req.strict == StrictHandling.ASSUME_OK_UNEXPECTED:
             missing = set()
         return (result, missing, unexpected) if return_mismatch_keys else result
+
+    def _fill_same_structure(self, args, group, n, load_into_template, return_mismatch_keys):
+        """``to_state_dict`` for a template of this checkpoint's own structure on every rank:
+        one gather of the shards each rank lacks, and (only if any) one of who holds them."""
+        local_exc: Optional[BaseException] = None
+        req: Optional[_LoadRequest] = None
+        facts: Dict[str, Any] = {"rank": _my_global_rank(), "error": None, "need": [], "held": []}
+        try:
+            req = self._prepare_load(*args)
+            held = req.held
+            facts["need"] = [
+                [st.key, list(st.global_offset)] for st in req.template_shards if st.shard_id not in held
+            ]
+        except Exception as e:  # reported to every rank below
+            local_exc = e
+            facts["error"] = f"{type(e).__name__}: {e}"
+        members = collectives.all_gather_msgpack(facts, group) if n > 1 else [facts]
+        _raise_first_error(members, local_exc)
+        assert req is not None
+        wanted = {(key, tuple(off)) for g in members for key, off in g["need"]}
+        plan = ExchangePlan((), {})
+        if wanted:
+            held_wanted = [
+                [sid[0], list(sid[1]), dtype_name(t.dtype), list(t.shape)]
+                for sid, t in req.held.items()
+                if sid in wanted
+            ]
+            holders = collectives.all_gather_msgpack(held_wanted, group) if n > 1 else [held_wanted]
+            plan, absent = plan_exchange([{"need": g["need"], "held": h} for g, h in zip(members, holders)])
+            _raise_absent(absent, members, None)
+        targets = _template_targets(req.template_shards) if load_into_template else {}
+        loaded = dict(req.held)
+        if plan.transfers:
+            loaded.update(
+                execute_exchange(
+                    plan, req.held, _allocator(targets, self._load_device()), group, req.exchange_algo
+                )
+            )
+        result = map_leaves(lambda v: v, self.common)
+        merge(result, req.nonpersistent)
+        merge(result, _fill_template(req, loaded, targets, {}, set()))
+        result = fill_holes(result)
+        return (result, set(), set()) if return_mismatch_keys else result
 
     def _gather_load_facts(self, args, group, validate, validation_group):
         """Local preparation, then the one metadata all-gather. A local error is not raised
@@ -1008,16 +1067,7 @@ def _load_verdict(scope, members, me, strict, fully_parallel, validate_access_in
         validate_sharding_integrity([g["records"] for g in scope], [g["obj_records"] for g in scope])
     global_ckpt_keys = set().union(*(g["ckpt_keys"] for g in members))
     plan, absent_shards = plan_exchange(members)
-    # Shards of keys the checkpoint has, but at offsets nobody saved: a sharding mismatch,
-    # never silently skipped.
-    for r, sids in sorted(absent_shards.items()):
-        bad = [s for s in sids if s[0] in global_ckpt_keys]
-        if bad:
-            raise ValidationError(
-                f"rank {members[r]['rank']}: shard {bad[0][0]!r} at offset {bad[0][1]} is in "
-                "no rank's checkpoint (parallel layout changed between save and load?); the "
-                "layout at load must match the one at save"
-            )
+    _raise_absent(absent_shards, members, global_ckpt_keys)
     if not fully_parallel:
         # Atomic: a rank's checkpoint must hold every shard it asks for (the others are held
         # by another rank, or the check above would have failed).
@@ -1055,6 +1105,19 @@ def _load_verdict(scope, members, me, strict, fully_parallel, validate_access_in
     apply_strictness(strict, missing, mine_unexpected, log)
     _objects_nobody_saved(members, global_ckpt_keys)
     return plan, global_ckpt_keys, mine_unexpected, missing
+
+
+def _raise_absent(absent_shards, members, ckpt_keys) -> None:
+    """Shards of keys the checkpoint has (``ckpt_keys``; None: every key), but at offsets
+    nobody saved: a sharding mismatch, never silently skipped."""
+    for r, sids in sorted(absent_shards.items()):
+        bad = [s for s in sids if ckpt_keys is None or s[0] in ckpt_keys]
+        if bad:
+            raise ValidationError(
+                f"rank {members[r]['rank']}: shard {bad[0][0]!r} at offset {bad[0][1]} is in "
+                "no rank's checkpoint (parallel layout changed between save and load?); the "
+                "layout at load must match the one at save"
+            )
 
 
 def _objects_nobody_saved(members, ckpt_keys) -> None:
