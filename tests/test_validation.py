@@ -290,9 +290,9 @@ def test_long_key_lists_are_truncated_with_a_count(caplog):
 
 _RECORD_VARIANTS = st.fixed_dictionaries(
     {
-        "offset": st.sampled_from([(0, 0), (0, 2), (1, 0)]),
-        "extent": st.sampled_from([(4, 2), (2, 2), (4, 3)]),
-        "shape": st.sampled_from([(4, 2), (4, 4), (5, 2)]),
+        "offset": st.sampled_from([(0, 0), (0, 2), (2, 0), (1, 0), (0, 1)]),
+        "extent": st.sampled_from([(4, 2), (2, 2), (4, 3), (2, 4), (1, 2)]),
+        "shape": st.sampled_from([(4, 2), (4, 4), (5, 2), (3, 2)]),
         "dtype": st.sampled_from(["float32", "bfloat16"]),
         "main": st.booleans(),
         "mismatch": st.booleans(),
@@ -302,10 +302,10 @@ _RECORD_VARIANTS = st.fixed_dictionaries(
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(_RECORD_VARIANTS, max_size=3), min_size=1, max_size=4), st.booleans())
-def test_the_whole_tensor_fast_case_never_changes_the_verdict_or_its_words(ranks, as_lists):
-    """Unsharded (possibly replicated) tensors are accepted after a few comparisons; every
-    other record set, valid or not, gets the full check: same outcome and message either way,
-    for records as built locally (tuples) and as msgpack returns them (lists)."""
+def test_the_one_axis_fast_case_never_changes_the_verdict_or_its_words(ranks, as_lists):
+    """Tensors split along at most one axis (possibly replicated) are accepted after a few
+    comparisons; every other record set, valid or not, gets the full check: same outcome and
+    message either way, for records as built locally (tuples) and as msgpack returns them."""
     import resilient_ckpt.model.validation as validation
 
     def rec(v):
@@ -323,5 +323,28 @@ def test_the_whole_tensor_fast_case_never_changes_the_verdict_or_its_words(ranks
 
     fast = outcome()
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(validation, "_whole_with_one_main", lambda entries: False)
+        m.setattr(validation, "_tiles_along_one_axis", lambda entries: False)
         assert outcome() == fast
+
+
+@settings(max_examples=100, deadline=None)
+@given(_tiling(max_ranks=3), st.booleans())
+def test_random_tilings_get_the_same_verdict_with_and_without_the_fast_case(case, as_lists):
+    import resilient_ckpt.model.validation as validation
+
+    gshape, _boxes, ranks = case
+    records = _records(gshape, ranks)
+    if as_lists:
+        records = [[[list(x) if isinstance(x, tuple) else x for x in r] for r in rank] for rank in records]
+
+    def outcome():
+        try:
+            validate_sharding_integrity(records)
+            return "ok"
+        except ValidationError as e:
+            return str(e)
+
+    fast = outcome()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(validation, "_tiles_along_one_axis", lambda entries: False)
+        assert outcome() == fast == "ok"

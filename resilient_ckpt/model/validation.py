@@ -102,7 +102,7 @@ def validate_sharding_integrity(
             by_key[rec[0]].append((rank, rec))
     for key in sorted(by_key):
         entries = by_key[key]
-        if _whole_with_one_main(entries):
+        if _tiles_along_one_axis(entries):
             continue
         # No early exit: the message counts the problems it does not show.
         problems.extend(_check_tensor_key(key, [(rank, _tuplify(rec)) for rank, rec in entries]))
@@ -124,22 +124,48 @@ def validate_sharding_integrity(
         )
 
 
-def _whole_with_one_main(entries) -> bool:
-    """The most common key, checked in a few comparisons: one piece covering the whole
-    global shape from offset zero, the same on every rank holding it, exactly one main
-    replica (an unsharded tensor, possibly replicated over data parallel). False means only
-    "not this case": :func:`_check_tensor_key` then decides (and words any problem)."""
+def _tiles_along_one_axis(entries) -> bool:
+    """The common keys, checked in a few comparisons: pieces that split the global shape
+    along one axis only (or not at all), back to back from offset zero to the end, each piece
+    the same on every rank that holds it with exactly one main replica, one dtype and global
+    shape everywhere (an unsharded or tensor-parallel tensor, possibly replicated over data
+    parallel). False means only "not this case": :func:`_check_tensor_key` then decides
+    (and words any problem)."""
     first = entries[0][1]
-    off, ext, shape, dtype, mismatch = first[1], first[2], first[3], first[4], first[6]
-    if any(o != 0 for o in off) or list(ext) != list(shape):
+    shape, dtype = list(first[3]), first[4]
+    if first[6]:  # allow_shape_mismatch: the general check's rules
         return False
-    mains = 0
+    pieces: Dict[tuple, list] = {}  # offset -> [extent, mains]
     for _rank, rec in entries:
-        if rec[1] != off or rec[2] != ext or rec[3] != shape or rec[4] != dtype or rec[6] != mismatch:
+        if rec[4] != dtype or rec[6] or list(rec[3]) != shape:
+            return False
+        off = tuple(rec[1])
+        piece = pieces.get(off)
+        if piece is None:
+            pieces[off] = piece = [tuple(rec[2]), 0]
+        elif piece[0] != tuple(rec[2]):
             return False
         if rec[5]:
-            mains += 1
-    return mains == 1
+            piece[1] += 1
+    if any(mains != 1 for _ext, mains in pieces.values()):
+        return False
+    ndim = len(shape)
+    offsets = sorted(pieces)
+    if any(len(off) != ndim or len(pieces[off][0]) != ndim for off in offsets):
+        return False
+    if not ndim:  # a scalar: one piece
+        return len(offsets) == 1
+    split = {a for off in offsets for a in range(ndim) if off[a] != 0}
+    if len(split) > 1:
+        return False
+    axis = split.pop() if split else 0
+    pos = 0
+    for off in offsets:
+        ext = pieces[off][0]
+        if off[axis] != pos or any(ext[a] != shape[a] for a in range(ndim) if a != axis):
+            return False
+        pos += ext[axis]
+    return pos == shape[axis]
 
 
 def _tuplify(rec):
