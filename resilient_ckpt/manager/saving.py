@@ -145,7 +145,7 @@ class SavePath:
                 parts = _plain_parts(state_dict) if self._kind != "tasd" else None
                 cached = self._stage_cached(parts, iteration, staged)
             if not cached:
-                self._stage(self._snapshot(state_dict), iteration, staged, cacheable=parts is not None)
+                self._stage(self._snapshot(state_dict, parts), iteration, staged, parts)
         except BaseException as e:
             self._release(staged)
             self._submit_failed(iteration, seq, group, e)
@@ -195,7 +195,7 @@ class SavePath:
         self._started = True
         return state_dict
 
-    def _snapshot(self, state_dict: Any) -> MCoreTensorAwareStateDict:
+    def _snapshot(self, state_dict: Any, parts: Optional[SnapshotParts] = None) -> MCoreTensorAwareStateDict:
         """Stage 2: the tensor-aware state dict of what this rank saves (its distribution
         computed — collectively, every rank raising together — or reused from the cache)."""
         if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
@@ -210,25 +210,30 @@ class SavePath:
             parallelization_group=self._parallel_group(),
             cached_metadata=self._distribution,
             validation_group=self._control_group(),
+            parts=parts,
         )
         self._distribution = distribution or self._distribution
         self._kind = "dict"
         return tasd
 
     def _stage(
-        self, tasd: MCoreTensorAwareStateDict, iteration: int, staged: "_Staged", cacheable: bool = False
+        self,
+        tasd: MCoreTensorAwareStateDict,
+        iteration: int,
+        staged: "_Staged",
+        parts: Optional[SnapshotParts] = None,
     ) -> None:
         """Stage 3: lay the tensors out in a store segment, start the copies, encode the hollow
         state dict while they run (the copy thread releases the GIL), build the header. The
-        encoding of a ``cacheable`` (plain) state dict is kept for the cached saves that follow
-        (:meth:`_stage_cached`)."""
+        encoding of a plain state dict (``parts``: what ``tasd`` was built from) is kept for
+        the cached saves that follow (:meth:`_stage_cached`)."""
         tensors = list(tasd.tensors)
         layouts, total, runs = plan_layout_runs([(t.dtype, t.shape) for t in tensors])
         self._start_copies(tensors, layouts, total, runs, iteration, staged)
         popped = tasd.pop_tensors()
         try:
-            if cacheable and self._kind == "dict":
-                enc = tasd.hollow_encoding(allow_pickle=self.options.allow_pickle)
+            if parts is not None and self._kind == "dict":
+                enc = tasd.hollow_encoding(allow_pickle=self.options.allow_pickle, parts=parts)
                 meta = enc.meta
                 self._snapshot_cache = _SnapshotCache(
                     self._distribution, enc, tasd.saved_mask, layouts, total, RunPlan(runs, layouts)

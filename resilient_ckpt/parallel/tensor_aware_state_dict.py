@@ -286,6 +286,18 @@ def _special(v: Any) -> bool:
     )
 
 
+def _from_parts(parts: SnapshotParts):
+    """What ``preprocess`` and the leaf listings give, rebuilt from one-walk parts: the sharded
+    tree (from the skeleton, with shallow copies: dropping data must not reach the caller's
+    objects), the common part, its ShardedTensors and ShardedObjects in nested order."""
+    shards = [_shallow_copy(st) for st in parts.shards]
+    objects = [_shallow_copy(o) for o in parts.objects]
+    sharded = map_leaves(
+        lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v, parts.skeleton
+    )
+    return sharded, parts.common, shards, objects
+
+
 def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
     """``split(x, is_sharded)`` of the structural copy ``preprocess`` makes (plain dicts and
     lists), with the sharded side's leaves replaced as in :func:`hollow_parts`. (Leaf tests
@@ -526,9 +538,12 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     _devices: List[Optional[str]] = field(default=None)  # type: ignore[assignment]
     #: per saved tensor: data is already a private copy (copy_tensors_to_cpu need not clone)
     _private: List[bool] = field(default=None)  # type: ignore[assignment]
+    #: (the tree it was listed from, its ShardedTensors in nested order): listing 50k leaves
+    #: costs tens of ms, and a save or restore asks for them many times
+    _listed: Optional[Tuple[Any, List[ShardedTensor]]] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        sts = _sharded_tensors(self.sharded_state_dict)
+        sts = self._all_sharded_tensors()
         if self._saved is None:
             self._saved = tuple(st.data is not None for st in sts)
         elif len(self._saved) != len(sts):
@@ -554,6 +569,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         cached_metadata: Optional[ShardDistribution] = None,
         *,
         validation_group: Optional[dist.ProcessGroup] = None,
+        parts: Optional[SnapshotParts] = None,
     ) -> Tuple["MCoreTensorAwareStateDict", Optional[ShardDistribution]]:
         """Split common/sharded state; with ``fully_parallel`` keep only the shards this rank
         saves (balanced across ``parallelization_group``).
@@ -565,7 +581,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         The caller's ShardedTensors are never modified. ``validation_group`` (our extension): a
         group of every rank, in global-rank order, for the job-wide gather instead of the world
         group (a checkpoint manager passes its own, so a stuck peer surfaces after the
-        manager's timeout and the job's own groups are never used)."""
+        manager's timeout and the job's own groups are never used). ``parts`` (our extension):
+        :func:`snapshot_parts` of ``sharded_state_dict``, when the caller has them: the tree is
+        then rebuilt from them instead of walked again."""
         fully_parallel = _check_algo(algo)
         group = _default_group(parallelization_group)
         n = collectives.group_size(group)
@@ -588,11 +606,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         local_exc: Optional[BaseException] = None
         payload = {"rank": _my_global_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
         try:
-            sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
-            shards = _sharded_tensors(sharded)
+            if parts is not None:
+                sharded, common, shards, objects = _from_parts(parts)
+            else:
+                sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
+                shards, objects = _sharded_tensors(sharded), _sharded_objects(sharded)
             _check_not_meta(shards)
             payload["shards"] = [list(shard_record(sh)) for sh in shards]
-            payload["objects"] = [list(object_record(o)) for o in _sharded_objects(sharded)]
+            payload["objects"] = [list(object_record(o)) for o in objects]
             payload["fp"] = structure_fingerprint(shards)
         except Exception as e:  # reported to every rank below
             local_exc = e
@@ -605,7 +626,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         if fully_parallel and n > 1:
             distribution = compute_distribution(shards, group, members)
             _drop_unsaved(shards, distribution, collectives.group_rank(group))
-        return cls(common=common, sharded_state_dict=sharded), distribution
+        return cls(common=common, sharded_state_dict=sharded, _listed=(sharded, shards)), distribution
 
     # ---- tensor access -----------------------------------------------------------------
 
@@ -613,9 +634,15 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def is_hollow(self) -> bool:
         return self._is_hollow
 
+    def _all_sharded_tensors(self) -> List[ShardedTensor]:
+        """The tree's ShardedTensors (listed again if ``sharded_state_dict`` was replaced)."""
+        listed = self._listed
+        if listed is None or listed[0] is not self.sharded_state_dict:
+            listed = self._listed = (self.sharded_state_dict, _sharded_tensors(self.sharded_state_dict))
+        return listed[1]
+
     def _saved_sharded_tensors(self) -> List[ShardedTensor]:
-        sts = _sharded_tensors(self.sharded_state_dict)
-        return [st for st, s in zip(sts, self._saved) if s]
+        return [st for st, s in zip(self._all_sharded_tensors(), self._saved) if s]
 
     @property
     def tensors(self) -> Iterable[torch.Tensor]:
@@ -761,11 +788,18 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         holds no other ints)."""
         return self.hollow_encoding(allow_pickle).meta
 
-    def hollow_encoding(self, allow_pickle: bool = False) -> "HollowEncoding":
-        """:meth:`to_bytes` with the parts a cached save reuses."""
+    def hollow_encoding(
+        self, allow_pickle: bool = False, parts: Optional[SnapshotParts] = None
+    ) -> "HollowEncoding":
+        """:meth:`to_bytes` with the parts a cached save reuses. ``parts``: the
+        :func:`snapshot_parts` this instance was built from (``from_state_dict(parts=...)``),
+        whose skeleton and rows are this tree's: not derived again."""
         if not self._is_hollow and any(self._saved):
             raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
-        skeleton, rows, objects = hollow_parts(self.sharded_state_dict)
+        if parts is not None:
+            skeleton, rows, objects = parts.skeleton, parts.rows, parts.objects
+        else:
+            skeleton, rows, objects = hollow_parts(self.sharded_state_dict)
         skeleton_bytes = codec.encode(skeleton)
         table_bytes = shard_table.encode_rows(rows)
         meta = encode_hollow(
@@ -974,7 +1008,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         for sid, t in (extra_held or {}).items():
             held.setdefault(sid, t)
         held_objects = {o.object_id: o for o in _sharded_objects(self.sharded_state_dict)}
-        ckpt_keys = {st.key for st in _sharded_tensors(self.sharded_state_dict)}
+        ckpt_keys = {st.key for st in self._all_sharded_tensors()}
         ckpt_keys |= {o.key for o in held_objects.values()}
         req = _LoadRequest(
             prepared.sharded,
