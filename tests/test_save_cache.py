@@ -23,6 +23,7 @@ from resilient_ckpt.model.mapping import LocalNonpersistentObject, ShardedObject
 from resilient_ckpt.parallel.tensor_aware_state_dict import (
     MCoreTensorAwareStateDict,
     hollow_parts,
+    prepare_template,
     preprocess,
     snapshot_parts,
 )
@@ -131,6 +132,23 @@ def _leaves(x):
         yield x
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(STATE_DICTS)
+def test_a_template_prepared_in_one_walk_equals_the_general_preparation(sd):
+    if _has_non_str_key_above_sharded(sd) or not sd:
+        return
+    fast = prepare_template(sd)
+    assert fast.structure is not None  # plain: prepared from its one-walk parts
+    sharded, common, nonpersistent, factories = preprocess(sd)
+    assert codec.encode(fast.common) == codec.encode(common)
+    assert fast.nonpersistent == nonpersistent and fast.factories == factories
+    assert codec.encode(hollow_parts(fast.sharded)[0]) == codec.encode(hollow_parts(sharded)[0])
+    assert hollow_parts(fast.sharded)[1] == hollow_parts(sharded)[1] == fast.structure[1]
+    assert fast.structure[0] == hollow_parts(sharded)[0]
+    # the prepared tree holds copies: filling it never reaches the caller's objects
+    assert all(a is not b for a, b in zip(fast.shards, _leaves(sd)))
+
+
 @settings(max_examples=200, deadline=None)
 @given(STATE_DICTS)
 def test_hollow_bytes_round_trip_through_the_shard_table(sd):
@@ -141,6 +159,7 @@ def test_hollow_bytes_round_trip_through_the_shard_table(sd):
     tasd.pop_tensors()
     back = MCoreTensorAwareStateDict.from_bytes(tasd.to_bytes())
     assert back.to_bytes() == tasd.to_bytes()
+    assert back.structure() == tasd.structure()  # decoded as stored == derived from the tree
     assert [(s.key, s.global_offset, s.local_shape, s.replica_id, s.dtype) for s in back.tensor_metadata] == [
         (s.key, s.global_offset, s.local_shape, s.replica_id, s.dtype) for s in tasd.tensor_metadata
     ]

@@ -141,11 +141,12 @@ class SavePath:
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
         try:
             state_dict = self._prepare(state_dict, iteration)
-            with paused_gc():  # one object per shard is made below, none of them garbage
+            # Objects are made per shard below (records, copies, layouts), none of them garbage:
+            # a collection meanwhile would walk the trainer's whole heap, repeatedly.
+            with paused_gc():
                 parts = _plain_parts(state_dict) if self._kind != "tasd" else None
-                cached = self._stage_cached(parts, iteration, staged)
-            if not cached:
-                self._stage(self._snapshot(state_dict, parts), iteration, staged, parts)
+                if not self._stage_cached(parts, iteration, staged):
+                    self._stage(self._snapshot(state_dict, parts), iteration, staged, parts)
         except BaseException as e:
             self._release(staged)
             self._submit_failed(iteration, seq, group, e)

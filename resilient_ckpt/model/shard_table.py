@@ -22,7 +22,7 @@ instead of producing wrong shards.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import msgpack
 
@@ -62,6 +62,11 @@ def encode_shards(shards: Sequence[ShardedTensor]) -> bytes:
 
 def decode_shards(data: Any) -> List[ShardedTensor]:
     """ShardedTensors (``data`` None) from :func:`encode_shards`' bytes."""
+    return decode_table(data)[1]
+
+
+def decode_table(data: Any) -> Tuple[Tuple[tuple, ...], List[ShardedTensor]]:
+    """The rows (as :func:`shard_row` makes them) and their ShardedTensors (``data`` None)."""
     try:
         with paused_gc():
             version, rows = msgpack.unpackb(data, use_list=False, raw=False)
@@ -98,4 +103,4 @@ def decode_shards(data: Any) -> List[ShardedTensor]:
             ) from e
         except KeyError as e:
             raise CodecError(f"shard table row {len(out)}: unknown dtype {e}") from e
-    return out
+    return rows, out

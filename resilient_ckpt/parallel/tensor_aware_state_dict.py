@@ -24,6 +24,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from ..errors import HollowStateError, ValidationError
+from ..gc_pause import paused_gc
 from ..model import codec, shard_table
 from ..model.mapping import (
     LocalNonpersistentObject,
@@ -177,11 +178,22 @@ class PreparedTemplate:
     factories: Any
     shards: List[ShardedTensor]
     objects: List[ShardedObject]
+    #: the tree's skeleton and shard rows (see ``to_bytes``), when known from its one walk
+    structure: Optional[Tuple[Any, List[tuple]]] = None
 
 
 def prepare_template(template: Any) -> PreparedTemplate:
     if isinstance(template, PreparedTemplate):
         return template
+    parts = snapshot_parts(template) if template else None
+    if parts is not None:
+        # A plain template in one walk: what preprocess would give (no factories, nothing
+        # nonpersistent), plus its skeleton and rows for the same-structure check.
+        sharded, common, shards, objects = _from_parts(parts)
+        empty = {} if isinstance(template, dict) else []
+        return PreparedTemplate(
+            sharded, common, empty, type(empty)(), shards, objects, (parts.skeleton, parts.rows)
+        )
     sharded, common, nonpersistent, factories = preprocess(template or {})
     return PreparedTemplate(
         sharded, common, nonpersistent, factories, _sharded_tensors(sharded), _sharded_objects(sharded)
@@ -504,12 +516,13 @@ def _all_same_structure(template, own, validation_group, local_error) -> bool:
 
 
 def _same_structure(template: PreparedTemplate, saved: "MCoreTensorAwareStateDict") -> bool:
-    t_skeleton, t_rows, t_objects = hollow_parts(template.sharded)
-    s_skeleton, s_rows, s_objects = hollow_parts(saved.sharded_state_dict)
+    t_skeleton, t_rows = template.structure or hollow_parts(template.sharded)[:2]
+    s_skeleton, s_rows = saved.structure()
     return (
         t_rows == s_rows
         and t_skeleton == s_skeleton
-        and [object_record(o) for o in t_objects] == [object_record(o) for o in s_objects]
+        and [object_record(o) for o in template.objects]
+        == [object_record(o) for o in _sharded_objects(saved.sharded_state_dict)]
         and _str_keys_above_sharded(t_skeleton)
     )
 
@@ -541,6 +554,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     #: (the tree it was listed from, its ShardedTensors in nested order): listing 50k leaves
     #: costs tens of ms, and a save or restore asks for them many times
     _listed: Optional[Tuple[Any, List[ShardedTensor]]] = field(default=None, repr=False, compare=False)
+    #: (tree, (skeleton, shard rows)) as decoded by from_bytes: what the same-structure check
+    #: compares a template with, without walking the tree again
+    _decoded_structure: Optional[Tuple[Any, Tuple[Any, Any]]] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         sts = self._all_sharded_tensors()
@@ -633,6 +649,13 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     @property
     def is_hollow(self) -> bool:
         return self._is_hollow
+
+    def structure(self) -> Tuple[Any, List[tuple]]:
+        """The sharded tree's skeleton and shard rows (as ``to_bytes`` stores them)."""
+        known = self._decoded_structure
+        if known is not None and known[0] is self.sharded_state_dict:
+            return known[1]
+        return hollow_parts(self.sharded_state_dict)[:2]
 
     def _all_sharded_tensors(self) -> List[ShardedTensor]:
         """The tree's ShardedTensors (listed again if ``sharded_state_dict`` was replaced)."""
@@ -818,23 +841,26 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         Reads format 1 (the whole sharded tree through the codec) too."""
         d = codec.decode(data, allow_pickle=allow_pickle)
         try:
+            structure = None
             if d.get("format") == HOLLOW_FORMAT:
-                shards = shard_table.decode_shards(d["shards"])
+                rows, shards = shard_table.decode_table(d["shards"])
                 objects = d["objects"]
-                sharded = map_leaves_inplace(
-                    lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v,
-                    codec.decode(d["skeleton"]),
-                )
-                saved = tuple(bool(s) for s in d["saved"])
+                skeleton = codec.decode(d["skeleton"])
+                with paused_gc():
+                    sharded = map_leaves(
+                        lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v,
+                        skeleton,
+                    )
+                structure = (sharded, (skeleton, list(rows)))
             else:
                 sharded = d["sharded"]
-                saved = tuple(bool(s) for s in d["saved"])
             inst = cls(
                 common=d["common"],
                 sharded_state_dict=sharded,
                 _is_hollow=True,
-                _saved=saved,
+                _saved=tuple(bool(s) for s in d["saved"]),
                 _devices=list(d["devices"]),
+                _decoded_structure=structure,
             )
         except (KeyError, TypeError, IndexError, AttributeError) as e:
             raise ValidationError(f"hollow state dict bytes lack field {e} or hold it damaged") from e
