@@ -235,3 +235,37 @@ def test_prefetcher_reserves_ahead_and_returns_its_spare_on_close(tmp_root):
     pf.close()
     names = [p.name for p in store.free_dir.iterdir()]
     assert names and all(n.startswith("seg_") for n in names)  # no reservation left behind
+
+
+def test_a_segment_the_driver_cannot_page_lock_stays_pageable_and_says_how_to_fix_it(
+    tmp_root, monkeypatch, caplog
+):
+    """Measured on an H200: cudaHostRegister of a file on a disk file system fails with
+    "invalid argument". The save must go on (device copies into pageable memory are
+    synchronous, still correct), the sticky CUDA error must be cleared, one warning names
+    the fix."""
+    import resilient_ckpt.memory.store as store_mod
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append("register")
+            return 1  # cudaErrorInvalidValue
+
+        def cudaGetLastError(self):
+            calls.append("clear")
+            return 1
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(store_mod, "_UNPINNABLE_WARNED", set())
+    store = CheckpointStore(str(tmp_root), "pin")
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            seg = store.reserve(4096)
+            assert seg.pin() is False and not seg.pinned
+            seg.close()
+    assert calls == ["register", "clear", "register", "clear"]
+    warnings = [r for r in caplog.records if "cudaHostRegister" in r.getMessage()]
+    assert len(warnings) == 1 and "/dev/shm" in warnings[0].getMessage()

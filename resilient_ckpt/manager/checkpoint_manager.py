@@ -33,7 +33,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from ..errors import StoreError, ValidationError
@@ -239,7 +238,9 @@ class CheckpointManager(SavePath, LoadPath, Healing):
     def _init_state(self) -> None:
         """Threads, groups (created on first use) and the bookkeeping of saves and loads."""
         self._stager = Stager()
-        self._prefetcher = SegmentPrefetcher(self.store, pin=torch.cuda.is_available())
+        # Pinned ahead only once a save staged GPU tensors (a CPU-only job on a GPU host never
+        # page-locks its segments).
+        self._prefetcher = SegmentPrefetcher(self.store, pin=False)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-save")
         self._group: Optional[dist.ProcessGroup] = None
         self._control: Optional[dist.ProcessGroup] = None

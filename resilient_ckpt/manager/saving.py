@@ -281,6 +281,8 @@ class SavePath:
         staged.segment = self._prefetcher.take(total)
         self.store.claim(staged.segment, iteration, self.rank)
         staged.staging = self._stager.stage(tensors, staged.segment, layouts, runs)
+        if staged.segment.pinned:  # GPU state: the next segments are page-locked ahead too
+            self._prefetcher.pin = True
 
     def _header(self, iteration: int, layouts, total: int, meta: bytes) -> CheckpointHeader:
         return CheckpointHeader(

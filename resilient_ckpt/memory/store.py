@@ -207,6 +207,23 @@ class CheckpointHeader:
         )
 
 
+_UNPINNABLE_WARNED: set = set()
+
+
+def _warn_unpinnable(path: Path, rc) -> None:
+    where = str(path.parent.parent)
+    if where in _UNPINNABLE_WARNED:
+        return
+    _UNPINNABLE_WARNED.add(where)
+    logger.warning(
+        "cudaHostRegister of store segments under %s failed (%s): GPU tensors are staged through "
+        "pageable memory (synchronous copies, slower). Fix: put the store root on a tmpfs such as "
+        "/dev/shm (store_root=...)",
+        where,
+        rc,
+    )
+
+
 def writer_name() -> str:
     """Who wrote a header: ``host:pid``."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -356,14 +373,22 @@ class Segment:
         except (OSError, ValueError):
             pass  # older kernel: pages fault in on first write instead
 
-    def pin(self) -> None:
-        """Page-lock the mapping for CUDA (D2H copies land here directly, asynchronously)."""
+    def pin(self) -> bool:
+        """Page-lock the mapping for CUDA (D2H copies land here directly, asynchronously).
+        Returns whether it is pinned. Where the driver refuses (measured on an H200: a file on
+        a disk file system, not tmpfs, gives "invalid argument"), the segment stays pageable —
+        device copies into it are then synchronous, still correct — and one warning says so;
+        the CUDA error is cleared, so the trainer's next CUDA call does not inherit it."""
         if self.pinned or not self.nbytes or not torch.cuda.is_available():
-            return
-        rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+            return self.pinned
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
         if int(rc) != 0:
-            raise StoreError(f"cudaHostRegister of {self.path} ({self.nbytes} bytes) failed with {rc}")
+            cudart.cudaGetLastError()  # clears the sticky error of the failed registration
+            _warn_unpinnable(self.path, rc)
+            return False
         self.pinned = True
+        return True
 
     def close(self) -> None:
         if self.pinned:
