@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from enum import Enum
-from typing import Dict, Iterable, List, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import ValidationError, strictness_error
 
@@ -95,7 +95,17 @@ def validate_sharding_integrity(
 
     ``global_shards[r]`` are rank r's shard records (see :func:`shard_record`).
     """
-    problems: List[str] = []
+    raise_problems([p for _kind, _key, p in sharding_problems(global_shards, global_objects)])
+
+
+def sharding_problems(
+    global_shards: Sequence[Iterable[ShardRecord]],
+    global_objects: Sequence[Iterable[ObjectRecord]] = (),
+) -> List[Tuple[int, str, str]]:
+    """Every integrity problem as ``(kind, key, message)`` in report order: tensor keys
+    (kind 0) sorted, then object keys (kind 1) sorted. Keys are independent of each other, so
+    any partition of the keys can be checked apart and the problems merged in this order."""
+    problems: List[Tuple[int, str, str]] = []
     by_key: Dict[str, List[Tuple[int, ShardRecord]]] = defaultdict(list)
     for rank, recs in enumerate(global_shards):
         for rec in recs:
@@ -105,23 +115,33 @@ def validate_sharding_integrity(
         if _tiles_along_one_axis(entries):
             continue
         # No early exit: the message counts the problems it does not show.
-        problems.extend(_check_tensor_key(key, [(rank, _tuplify(rec)) for rank, rec in entries]))
+        for p in _check_tensor_key(key, [(rank, _tuplify(rec)) for rank, rec in entries]):
+            problems.append((0, key, p))
     obj_by_key: Dict[str, List[Tuple[int, ObjectRecord]]] = defaultdict(list)
     for rank, recs in enumerate(global_objects):
         for rec in recs:
             obj_by_key[rec[0]].append((rank, _tuplify(rec)))
     for key in sorted(obj_by_key):
-        problems.extend(_check_object_key(key, obj_by_key[key]))
-    if problems:
-        shown = problems[:_MAX_REPORTED]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise ValidationError(
-            "sharded state dict is inconsistent across ranks:\n  "
-            + "\n  ".join(shown)
-            + more
-            + "\nfix: every key's main replicas (replica_id 0) must tile its global shape once; "
-            "check the rank offsets / replica ids your model's sharded_state_dict() produces"
-        )
+        for p in _check_object_key(key, obj_by_key[key]):
+            problems.append((1, key, p))
+    return problems
+
+
+def raise_problems(problems: Sequence[str], total: Optional[int] = None) -> None:
+    """The integrity error for ``problems`` (the first 20 shown; ``total``: how many there
+    are when only some were passed), or nothing."""
+    total = len(problems) if total is None else total
+    if not total:
+        return
+    shown = list(problems[:_MAX_REPORTED])
+    more = f"\n  ... and {total - len(shown)} more" if total > len(shown) else ""
+    raise ValidationError(
+        "sharded state dict is inconsistent across ranks:\n  "
+        + "\n  ".join(shown)
+        + more
+        + "\nfix: every key's main replicas (replica_id 0) must tile its global shape once; "
+        "check the rank offsets / replica ids your model's sharded_state_dict() produces"
+    )
 
 
 def _tiles_along_one_axis(entries) -> bool:

@@ -7,7 +7,7 @@ tensors. On NCCL groups the byte tensors live on the current CUDA device.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import msgpack
 import torch
@@ -80,6 +80,43 @@ def all_gather_msgpack(obj: Any, group: Optional[dist.ProcessGroup] = None) -> L
     raw = all_gather_bytes(msgpack.packb(obj, use_bin_type=True), group)
     with paused_gc():  # W ranks' metadata: many small objects, none garbage
         return [msgpack.unpackb(r, raw=False, strict_map_key=False, use_list=True) for r in raw]
+
+
+def all_to_all_msgpack(per_rank: Sequence[Any], group: Optional[dist.ProcessGroup] = None) -> List[Any]:
+    """Personalised exchange: this rank sends ``per_rank[r]`` to group rank ``r`` and gets, in
+    group-rank order, what every rank sent it (two ``all_to_all_single``: sizes, then bytes).
+    A rank's traffic is what it sends and receives, not everyone's (unlike an all-gather)."""
+    n = group_size(group)
+    blobs = [msgpack.packb(x, use_bin_type=True) for x in per_rank]
+    if len(blobs) != n:
+        raise ValueError(f"all_to_all_msgpack: {len(blobs)} payloads for a group of {n}")
+    if n == 1:
+        received = blobs
+    else:
+        dev = comm_device(group)
+        try:
+            out_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=dev)
+            in_sizes = torch.empty_like(out_sizes)
+            dist.all_to_all_single(in_sizes, out_sizes, group=group)
+            ins = [int(x) for x in in_sizes.cpu().tolist()]
+            send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)
+            recv = torch.empty(max(sum(ins), 1), dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(
+                recv[: sum(ins)],
+                send[: sum(len(b) for b in blobs)].to(dev),
+                ins,
+                [len(b) for b in blobs],
+                group=group,
+            )
+        except RuntimeError as e:
+            raise _wrap(e, "all_to_all_msgpack", group) from e
+        flat = recv[: sum(ins)].cpu().numpy().tobytes()
+        received, pos = [], 0
+        for k in ins:
+            received.append(flat[pos : pos + k])
+            pos += k
+    with paused_gc():
+        return [msgpack.unpackb(r, raw=False, strict_map_key=False, use_list=True) for r in received]
 
 
 def broadcast_msgpack(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:

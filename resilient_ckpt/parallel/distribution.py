@@ -193,7 +193,7 @@ def compute_distribution(
             holders = shard_to_ranks.get(sid)
             if holders is None:
                 shard_to_ranks[sid] = [rank]
-                shard_to_size[sid] = _numel(extent) * _itemsize(dtype)
+                shard_to_size[sid] = shard_nbytes(extent, dtype)
             elif holders[-1] != rank:
                 holders.append(rank)
             if main:
@@ -208,6 +208,11 @@ def compute_distribution(
     )
     logger.debug("distribution: bytes per rank %s (max/mean %.4f)", dist_.rank_bytes, dist_.imbalance)
     return dist_
+
+
+def shard_nbytes(extent: Sequence[int], dtype_name: str) -> int:
+    """Bytes of a shard record's piece."""
+    return _numel(extent) * _itemsize(dtype_name)
 
 
 def gather_shard_records(local_shards: Sequence[ShardedTensor], group) -> List[dict]:

@@ -55,6 +55,7 @@ from .distribution import (
     structure_fingerprint,
 )
 from .exchange import ExchangePlan, check_algo, dtype_name, execute_exchange, plan_exchange
+from .sharded_planning import plan_sharded, use_sharded_planning
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,36 @@ def _gather(payload: dict, group, world_scope: bool, scope_group=None) -> Tuple[
         return [payload], [payload]
     gathered = collectives.all_gather_msgpack(payload, group)
     return gathered, gathered
+
+
+def _scope_group(validation_group):
+    """The group of every rank a first save validates over (None: not distributed)."""
+    if validation_group is not None:
+        return validation_group
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _plan_gathered(shards, objects, group, validation_group, local_exc) -> Optional[ShardDistribution]:
+    """One all-gather carries everything (integrity records, object records, structure
+    fingerprint) and any local error, so a bad state dict on one rank fails every rank
+    instead of leaving the others blocked in a collective; every rank checks every record and
+    computes the group's distribution from the same data."""
+    payload = {"rank": _my_global_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
+    if local_exc is None:
+        try:
+            payload["shards"] = [list(shard_record(sh)) for sh in shards]
+            payload["objects"] = [list(object_record(o)) for o in objects]
+            payload["fp"] = structure_fingerprint(shards)
+        except Exception as e:  # reported to every rank below
+            local_exc = e
+    if local_exc is not None:
+        payload["error"] = f"{type(local_exc).__name__}: {local_exc}"
+    everyone, members = _gather(payload, group, world_scope=True, scope_group=validation_group)
+    _raise_first_error(everyone, local_exc)
+    validate_sharding_integrity([g["shards"] for g in everyone], [g["objects"] for g in everyone])
+    if collectives.group_size(group) > 1:
+        return compute_distribution(shards, group, members)
+    return None
 
 
 def _raise_first_error(gathered: Sequence[dict], local_exc: Optional[BaseException]) -> None:
@@ -616,11 +647,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 _drop_unsaved(shards, distribution, me)
             return cls(common=common, sharded_state_dict=sharded), distribution
 
-        # One all-gather carries everything (integrity records, object records, structure
-        # fingerprint) and any local error, so a bad state dict on one rank fails every rank
-        # instead of leaving the others blocked in a collective.
         local_exc: Optional[BaseException] = None
-        payload = {"rank": _my_global_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
+        sharded = common = None
+        shards: List[ShardedTensor] = []
+        objects: List[ShardedObject] = []
         try:
             if parts is not None:
                 sharded, common, shards, objects = _from_parts(parts)
@@ -628,19 +658,21 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
                 shards, objects = _sharded_tensors(sharded), _sharded_objects(sharded)
             _check_not_meta(shards)
-            payload["shards"] = [list(shard_record(sh)) for sh in shards]
-            payload["objects"] = [list(object_record(o)) for o in objects]
-            payload["fp"] = structure_fingerprint(shards)
-        except Exception as e:  # reported to every rank below
+        except Exception as e:  # reported to every rank by the planning collectives
             local_exc = e
-            payload["error"] = f"{type(e).__name__}: {e}"
         # Integrity is a property of the whole job (Megatron checks it over the world): a
         # data-parallel subgroup only sees part of each tensor-parallel tensor.
-        everyone, members = _gather(payload, group, world_scope=True, scope_group=validation_group)
-        _raise_first_error(everyone, local_exc)
-        validate_sharding_integrity([g["shards"] for g in everyone], [g["objects"] for g in everyone])
-        if fully_parallel and n > 1:
-            distribution = compute_distribution(shards, group, members)
+        scope = _scope_group(validation_group)
+        if scope is not None and use_sharded_planning(collectives.group_size(scope)):
+            # Thousands of ranks: each rank plans some keys (parallel/sharded_planning.py).
+            distribution = plan_sharded(shards, objects, group, scope, local_exc)
+            if not (fully_parallel and n > 1):
+                distribution = None
+        else:
+            distribution = _plan_gathered(shards, objects, group, validation_group, local_exc)
+            if not (fully_parallel and n > 1):
+                distribution = None
+        if distribution is not None:
             _drop_unsaved(shards, distribution, collectives.group_rank(group))
         return cls(common=common, sharded_state_dict=sharded, _listed=(sharded, shards)), distribution
 
