@@ -1116,8 +1116,15 @@ def _local_phases(lay: SimLayout, dist_, rows: Dict[str, Dict[str, float]]) -> N
     )
     t, meta = _timed(hollow.to_bytes)
     rows["hollow encoding"] = dict(seconds=t, encoded=len(meta))
-    t, _ = _timed(tasd_mod.MCoreTensorAwareStateDict.from_bytes, meta)
+    t, decoded = _timed(tasd_mod.MCoreTensorAwareStateDict.from_bytes, meta)
     rows["hollow decoding"] = dict(seconds=t)
+    # a restart's template, walked once, compared with the decoded checkpoint's structure
+    template = lay.state_dict(0, data=True)
+    t0 = time.perf_counter()
+    same = tasd_mod._same_structure(tasd_mod.prepare_template(template), decoded)
+    rows["restore check (same structure)"] = dict(seconds=time.perf_counter() - t0)
+    if not same:
+        raise AssertionError("the simulated template does not have its checkpoint's structure")
     kept = [s for s, k in zip(shards, saved) if k]
     layouts, total = plan_layout([(s.dtype, s.local_shape) for s in kept])
     header = CheckpointHeader(
@@ -1144,7 +1151,80 @@ def _local_phases(lay: SimLayout, dist_, rows: Dict[str, Dict[str, float]]) -> N
     rows["header unpack"] = dict(seconds=t)
 
 
-_VERDICT_PARTS = tuple(p for p in PHASES if p[0] in ("validation", "exchange planning"))
+def _sim_sharded_save(lay: SimLayout, ranks: Sequence["_Rank"], rows: Dict[str, Dict[str, float]]) -> None:
+    """The sharded planner (parallel/sharded_planning.py) as rank 0 sends and as the busiest
+    planner receives and computes: messages built and encoded as the real code does
+    (``_outgoing``'s records + tag, ``all_to_all_msgpack``'s msgpack), decoded and planned
+    with the real ``_plan``. The parallelization group is the world (the largest problem)."""
+    import msgpack
+
+    from ..parallel import sharded_planning as sp
+
+    world = lay.world
+    rows["planning: error gather: all-gather"], _ = _gather(lambda r: {"e": "", "p": None}, world)
+    planner = {k: sp.planner_of(k, world) for k in ranks[0].keys}
+    load: Dict[int, int] = {}
+    for rk in ranks[:1]:
+        for rec in rk.records:
+            load[planner[rec[0]]] = load.get(planner[rec[0]], 0) + 1
+    # every key is held by every rank here: the busiest planner has the most keys
+    keys_of: Dict[int, int] = {}
+    for p in planner.values():
+        keys_of[p] = keys_of.get(p, 0) + 1
+    busiest = max(keys_of, key=lambda p: (keys_of[p], -p))
+
+    def outgoing(r: int, dest: int) -> dict:
+        tag = [0, r, world]
+        out = {"t": [[*rec, *tag] for rec in ranks[r].records if planner[rec[0]] == dest], "o": []}
+        if planner["rng_state"] == dest:
+            out["o"].append(ranks[r].obj_record)
+        return out
+
+    sent = sum(len(msgpack.packb(outgoing(0, d), use_bin_type=True)) for d in range(world))
+    raws = [msgpack.packb(outgoing(r, busiest), use_bin_type=True) for r in range(world)]
+    t0 = time.perf_counter()
+    received = [msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True) for raw in raws]
+    t = time.perf_counter() - t0
+    rows["planning: records: all-to-all"] = dict(
+        seconds=t, sent=sent, received=sum(len(r) for r in raws), planner_keys=keys_of[busiest]
+    )
+    del raws
+    t, (problems, answers) = _timed(sp._plan, received, busiest, world)
+    if problems:
+        raise AssertionError(f"the simulated layout fails its integrity check: {problems[:3]}")
+    rows["planning: checks + assignment"] = dict(seconds=t)
+    # rank 0 gets, from every planner, one 0/1 per record it sent there
+    back = [msgpack.packb([1] * load.get(q, 0), use_bin_type=True) for q in range(world)]
+    t0 = time.perf_counter()
+    for raw in back:
+        msgpack.unpackb(raw, raw=False, use_list=True)
+    t = time.perf_counter() - t0
+    rows["planning: answers: all-to-all"] = dict(
+        seconds=t,
+        sent=sum(len(msgpack.packb(a, use_bin_type=True)) for a in answers),
+        received=sum(len(b) for b in back),
+    )
+    rows["planning: problem count: all-reduce"] = dict(seconds=float("nan"), sent=8, received=8)
+    rows["planning: group facts: all-gather"], _ = _gather(lambda r: [1 << 30, ranks[r].fp], world)
+
+
+def _sim_same_structure_fill(ranks: Sequence["_Rank"], world: int, rows: Dict[str, Dict[str, float]]) -> None:
+    """``to_state_dict(same_structure=True)``: a gather of each rank's missing shards (here
+    every shard it did not save: an upper bound, replicas in the node's store would cover
+    some), a gather of who holds the wanted ones, and the exchange plan."""
+    from ..parallel.exchange import plan_exchange
+
+    rows["to_state_dict: needs: all-gather"], needs = _gather(
+        lambda r: {"rank": r, "error": None, "need": [n[:2] for n in ranks[r].need_rest], "held": []}, world
+    )
+    wanted = {(key, tuple(off)) for g in needs for key, off in g["need"]}
+    rows["to_state_dict: holders: all-gather"], holders = _gather(
+        lambda r: [h for h in ranks[r].held if (h[0], tuple(h[1])) in wanted], world
+    )
+    t, (xplan, _absent) = _timed(
+        plan_exchange, [{"need": g["need"], "held": h} for g, h in zip(needs, holders)]
+    )
+    rows["exchange planning"] = dict(seconds=t, transfers=len(xplan.transfers))
 
 
 def run_simulated(
@@ -1152,9 +1232,9 @@ def run_simulated(
 ):
     """One simulated world size: per-rank seconds of every planning computation and the bytes
     each rank contributes to / receives from every all-gather (rank 0's figures)."""
-    from ..model.validation import StrictHandling, validate_sharding_integrity
-    from ..parallel import tensor_aware_state_dict as tasd_mod
+    from ..model.validation import validate_sharding_integrity
     from ..parallel.distribution import compute_distribution
+    from ..parallel.sharded_planning import use_sharded_planning
 
     lay = SimLayout(world, shards, tp)
     rows: Dict[str, Dict[str, float]] = {}
@@ -1162,14 +1242,20 @@ def run_simulated(
     ranks = [_Rank(lay, r) for r in range(world)]
     gen_s = time.perf_counter() - t_start
 
-    # first save: the world all-gather of shard records, validation, the distribution
-    rows["distribution: all-gather"], gathered = _gather(lambda r: ranks[r].dist_payload(), world)
-    shards_by_rank, objects_by_rank = [g["shards"] for g in gathered], [g["objects"] for g in gathered]
-    t, _ = _timed(validate_sharding_integrity, shards_by_rank, objects_by_rank)
-    rows["validation (save)"] = dict(seconds=t)
-    t, dist_ = _timed(compute_distribution, (), None, gathered)
-    rows["distribution compute"] = dict(seconds=t)
-    del gathered, shards_by_rank, objects_by_rank
+    # first save: the gathered planner (W < SHARDED_PLANNING_MIN_WORLD) or the sharded one
+    if use_sharded_planning(world):
+        _sim_sharded_save(lay, ranks, rows)
+        t_untimed = time.perf_counter()  # the assignment the restore part needs (not timed)
+        dist_ = compute_distribution((), None, [rk.dist_payload() for rk in ranks])
+        gen_s += time.perf_counter() - t_untimed
+    else:
+        rows["distribution: all-gather"], gathered = _gather(lambda r: ranks[r].dist_payload(), world)
+        shards_by_rank, objects_by_rank = [g["shards"] for g in gathered], [g["objects"] for g in gathered]
+        t, _ = _timed(validate_sharding_integrity, shards_by_rank, objects_by_rank)
+        rows["validation (save)"] = dict(seconds=t)
+        t, dist_ = _timed(compute_distribution, (), None, gathered)
+        rows["distribution compute"] = dict(seconds=t)
+        del gathered, shards_by_rank, objects_by_rank
     saved_by: Dict[int, set] = {r: set() for r in range(world)}
     for sid, r in dist_.main_rank_for_shard.items():
         saved_by[r].add(sid)
@@ -1181,7 +1267,8 @@ def run_simulated(
     rows["agreement: all-reduce"] = dict(seconds=float("nan"), sent=8, received=8)
     _local_phases(lay, dist_, rows)
 
-    # restore: holdings, retrieval plan, the two load-facts gathers and their verdicts
+    # restore: holdings, retrieval plan, then (the restart's template is the saved structure on
+    # every rank) one all-reduce for the checks and to_state_dict's two small gathers
     nbytes = list(dist_.rank_bytes)
     del dist_
     rows["holdings gather: all-gather"], gathered = _gather(
@@ -1194,26 +1281,8 @@ def run_simulated(
         raise AssertionError("retrieval plan incomplete")
     rows["retrieval planning"] = dict(seconds=t, calls=2)  # _check_template and retrieve
     del gathered, holdings, plan
-
-    for name, need_all in (("restore check", True), ("to_state_dict", False)):
-        rows[f"{name}: all-gather"], gathered = _gather(functools.partial(_facts_of, ranks, need_all), world)
-        # One call of the whole verdict; its validation and exchange plan timed inside it.
-        with PhaseProfiler(_VERDICT_PARTS) as prof:
-            t, (xplan, *_rest) = _timed(
-                tasd_mod._load_verdict,
-                gathered,
-                gathered,
-                0,
-                StrictHandling.ASSUME_OK_UNEXPECTED,
-                True,
-                True,
-                tasd_mod._SilentLog,
-            )
-        parts = prof.snapshot()
-        rows[f"load verdict ({name}, whole)"] = dict(seconds=t, transfers=len(xplan.transfers))
-        rows[f"  validation ({name})"] = dict(seconds=parts["validation"][0])
-        rows[f"  exchange planning ({name})"] = dict(seconds=parts["exchange planning"][0])
-        del gathered, xplan, _rest
+    rows["restore check: all-reduce"] = dict(seconds=float("nan"), sent=8, received=8)
+    _sim_same_structure_fill(ranks, world, rows)
     for r in rows.values():
         r.setdefault("sent", 0)
         r.setdefault("received", 0)
@@ -1228,33 +1297,44 @@ def run_simulated(
     return out
 
 
-#: simulated rows making up a first save's planning (every rank, on the gathered data)
-SIM_SAVE = ("distribution: all-gather", "validation (save)", "distribution compute")
-#: a restore's: holdings, retrieval plan (x2), two gathered load verdicts (each includes its
-#: validation and exchange plan)
+#: simulated rows making up a first save's planning: the gathered planner's (every rank, on
+#: the gathered data), or the sharded planner's (the busiest planner's share)
+SIM_SAVE = (
+    "distribution: all-gather",
+    "validation (save)",
+    "distribution compute",
+    "planning: error gather: all-gather",
+    "planning: records: all-to-all",
+    "planning: checks + assignment",
+    "planning: answers: all-to-all",
+    "planning: group facts: all-gather",
+)
+#: a restore's: holdings, retrieval plan (x2), the same-structure comparison, to_state_dict's
+#: gathers of missing shards and of their holders, the exchange plan
 SIM_RESTORE = (
     "holdings gather: all-gather",
     "holdings gather (table)",
     "retrieval planning",
-    "restore check: all-gather",
-    "load verdict (restore check, whole)",
-    "to_state_dict: all-gather",
-    "load verdict (to_state_dict, whole)",
+    "restore check (same structure)",
+    "to_state_dict: needs: all-gather",
+    "to_state_dict: holders: all-gather",
+    "exchange planning",
 )
 
 
 def sim_totals(rows: Dict[str, Dict[str, float]]) -> Dict[str, float]:
     def s(name):
         r = rows[name]
-        return r["seconds"] * r.get("calls", 1)
+        return r["seconds"] * r.get("calls", 1) if r["seconds"] == r["seconds"] else 0.0
 
+    wire = [r for n, r in rows.items() if n.endswith(("all-gather", "all-to-all"))]
     return dict(
-        save_planning_s=sum(s(n) for n in SIM_SAVE),
-        restore_planning_s=sum(s(n) for n in SIM_RESTORE),
-        received_bytes=sum(r["received"] for n, r in rows.items() if n.endswith("all-gather")),
+        save_planning_s=sum(s(n) for n in SIM_SAVE if n in rows),
+        restore_planning_s=sum(s(n) for n in SIM_RESTORE if n in rows),
+        received_bytes=sum(r["received"] for r in wire),
         received_padded_bytes=sum(r.get("received_padded", 0) for r in rows.values()),
-        sent_bytes=sum(r["sent"] for n, r in rows.items() if n.endswith("all-gather")),
-        largest_gather_received_bytes=max(r["received"] for n, r in rows.items() if n.endswith("all-gather")),
+        sent_bytes=sum(r["sent"] for r in wire),
+        largest_gather_received_bytes=max(r["received"] for r in wire),
     )
 
 
