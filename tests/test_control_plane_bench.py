@@ -93,8 +93,16 @@ def test_simulated_rows_and_bytes(result):
     rows = sim["rows"]
     # W=64 plans sharded (SHARDED_PLANNING_MIN_WORLD): no world all-gather of shard records
     assert "distribution: all-gather" not in rows
+    gathered_only = (
+        "distribution: all-gather",
+        "validation (save)",
+        "distribution compute",
+        "to_state_dict: needs: all-gather",
+        "to_state_dict: holders: all-gather",
+    )
     for name in cp.SIM_SAVE + cp.SIM_RESTORE:
-        if name in ("distribution: all-gather", "validation (save)", "distribution compute"):
+        if name in gathered_only:
+            assert name not in rows, name
             continue
         assert rows[name]["seconds"] > 0, name
     lay = cp.SimLayout(64, 100)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import run_ranks
 from resilient_ckpt.errors import CheckpointingException, ValidationError
@@ -141,3 +143,64 @@ def test_a_rank_failing_before_planning_fails_every_rank_together(tmp_root):
     out = run_ranks(_one_rank_fails, WS, tmp_root, ranks_per_node=2, **RUN)
     assert out[1][0] == "RuntimeError"
     assert all(o[0] != "saved" and o[1] == WS for o in out), out
+
+
+def _restore_through_the_exchange(ctx):
+    sharded_planning.SHARDED_PLANNING_MIN_WORLD = 1
+    # No replicas: what a rank did not save comes from its data-parallel peer on the other
+    # node, through the exchange planned by key.
+    m = CheckpointManager("xchg", store_root=ctx.store_root, replication_factor=1, timeout_s=30)
+    m.save_local(_state(ctx.rank, WS, step=3), 3).wait()
+    m.close()
+    m = CheckpointManager("xchg", store_root=ctx.store_root, replication_factor=1, timeout_s=30)
+    state, it = m.load_local(_state(ctx.rank, WS, step=0))
+    m.close()
+    want = _state(ctx.rank, WS, step=3)
+    return it, all(torch.equal(state[k], v.data) for k, v in want.items() if isinstance(v, ShardedTensor))
+
+
+def test_shards_a_rank_did_not_save_arrive_through_the_exchange_planned_by_key(tmp_root):
+    out = run_ranks(_restore_through_the_exchange, WS, tmp_root, ranks_per_node=2, **RUN)
+    assert all(it == 3 and exact for it, exact in out), out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_planning_the_exchange_by_key_moves_what_the_gathered_plan_moves(data):
+    """Pure: the planners' matches (all of them together) give every rank every shard it
+    lacks from a rank that holds it, and report the same first absent shard."""
+    from resilient_ckpt.parallel.exchange import plan_exchange
+
+    n = data.draw(st.integers(1, 5))
+    keys = [f"k{i}" for i in range(data.draw(st.integers(1, 6)))]
+    sids = [(k, (o,)) for k in keys for o in range(2)]
+    held = [data.draw(st.lists(st.sampled_from(sids), unique=True, max_size=6)) for _ in range(n)]
+    need = [data.draw(st.lists(st.sampled_from(sids), unique=True, max_size=6)) for _ in range(n)]
+    need = [[s for s in nd if s not in h] for nd, h in zip(need, held)]
+    gathered = [
+        {"held": [[k, list(o), "float32", [2]] for k, o in h], "need": [[k, list(o)] for k, o in nd]}
+        for h, nd in zip(held, need)
+    ]
+    plan, absent = plan_exchange(gathered)
+    # what every planner receives, as plan_exchange_sharded routes it
+    by_planner = [[{"n": [], "h": []} for _ in range(n)] for _ in range(n)]  # [planner][sender]
+    for r in range(n):
+        for i, (k, o) in enumerate(need[r]):
+            by_planner[sharded_planning.planner_of(k, n)][r]["n"].append([k, list(o), i])
+        for k, o in held[r]:
+            by_planner[sharded_planning.planner_of(k, n)][r]["h"].append([k, list(o), "float32", [2]])
+    moved, absents = set(), []
+    for p in range(n):
+        per_rank, ab = sharded_planning._match(by_planner[p], n)
+        absents += ab
+        for rows in per_rank:
+            for key, off, src, dst, nbytes, _dt, _shape in rows:
+                assert (key, tuple(off)) in held[src] and nbytes == 8
+                moved.add(((key, tuple(off)), dst))
+    assert moved == {(t.shard_id, t.dst) for t in plan.transfers}
+    first = min(absents)[:1] + [(min(absents)[2], tuple(min(absents)[3]))] if absents else None
+    want = None
+    if absent:
+        r = min(absent)
+        want = [r, absent[r][0]]
+    assert first == want

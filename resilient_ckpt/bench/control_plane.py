@@ -1209,22 +1209,72 @@ def _sim_sharded_save(lay: SimLayout, ranks: Sequence["_Rank"], rows: Dict[str, 
 
 
 def _sim_same_structure_fill(ranks: Sequence["_Rank"], world: int, rows: Dict[str, Dict[str, float]]) -> None:
-    """``to_state_dict(same_structure=True)``: a gather of each rank's missing shards (here
-    every shard it did not save: an upper bound, replicas in the node's store would cover
-    some), a gather of who holds the wanted ones, and the exchange plan."""
+    """``to_state_dict(same_structure=True)`` for every rank's missing shards (here every
+    shard it did not save: an upper bound, replicas in the node's store would cover some).
+    From SHARDED_PLANNING_MIN_WORLD ranks, planned by key (``plan_exchange_sharded``, as rank 0
+    sends and the busiest planner receives and plans); below, a gather of the missing shards,
+    a gather of their holders and the exchange plan every rank computes."""
+    import msgpack
+
+    from ..parallel import sharded_planning as sp
     from ..parallel.exchange import plan_exchange
 
-    rows["to_state_dict: needs: all-gather"], needs = _gather(
-        lambda r: {"rank": r, "error": None, "need": [n[:2] for n in ranks[r].need_rest], "held": []}, world
+    if not sp.use_sharded_planning(world):
+        rows["to_state_dict: needs: all-gather"], needs = _gather(
+            lambda r: {"rank": r, "error": None, "need": [n[:2] for n in ranks[r].need_rest], "held": []},
+            world,
+        )
+        wanted = {(key, tuple(off)) for g in needs for key, off in g["need"]}
+        rows["to_state_dict: holders: all-gather"], holders = _gather(
+            lambda r: [h for h in ranks[r].held if (h[0], tuple(h[1])) in wanted], world
+        )
+        t, (xplan, _absent) = _timed(
+            plan_exchange, [{"need": g["need"], "held": h} for g, h in zip(needs, holders)]
+        )
+        rows["exchange planning"] = dict(seconds=t, transfers=len(xplan.transfers))
+        return
+    rows["to_state_dict: error gather: all-gather"], _ = _gather(lambda r: {"e": "", "p": None}, world)
+    planner = {k: sp.planner_of(k, world) for k in ranks[0].keys}
+    keys_of: Dict[int, int] = {}
+    for p in planner.values():
+        keys_of[p] = keys_of.get(p, 0) + 1
+    busiest = max(keys_of, key=lambda p: (keys_of[p], -p))
+
+    def outgoing(r: int, dest: int) -> dict:
+        rk = ranks[r]
+        return {
+            "n": [[n[0], n[1], i] for i, n in enumerate(rk.need_rest) if planner[n[0]] == dest],
+            "h": [h for h in rk.held if planner[h[0]] == dest],
+        }
+
+    sent = sum(len(msgpack.packb(outgoing(0, d), use_bin_type=True)) for d in range(world))
+    raws = [msgpack.packb(outgoing(r, busiest), use_bin_type=True) for r in range(world)]
+    t0 = time.perf_counter()
+    received = [msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True) for raw in raws]
+    t = time.perf_counter() - t0
+    rows["to_state_dict: needs + holdings: all-to-all"] = dict(
+        seconds=t, sent=sent, received=sum(map(len, raws))
     )
-    wanted = {(key, tuple(off)) for g in needs for key, off in g["need"]}
-    rows["to_state_dict: holders: all-gather"], holders = _gather(
-        lambda r: [h for h in ranks[r].held if (h[0], tuple(h[1])) in wanted], world
+    del raws
+    t, (per_rank, absent) = _timed(sp._match, received, world)
+    if absent:
+        raise AssertionError("the simulated restore needs a shard nobody holds")
+    rows["exchange planning"] = dict(seconds=t, transfers=sum(len(x) for x in per_rank) // 2)
+    rows["to_state_dict: absent count: all-reduce"] = dict(seconds=float("nan"), sent=8, received=8)
+    # rank 0 receives its transfers from every planner: at most one row per shard it lacks,
+    # one per (shard, receiver) it serves; the busiest planner's rows to rank 0 stand for a
+    # planner's, their share of rank 0's transfers scaled to all of them
+    mine = per_rank[0]
+    t0 = time.perf_counter()
+    raw = msgpack.packb(mine, use_bin_type=True)
+    msgpack.unpackb(raw, raw=False, use_list=True)
+    t = time.perf_counter() - t0
+    share = max(1, keys_of[busiest]) / max(1, len(ranks[0].keys))
+    rows["to_state_dict: transfers: all-to-all"] = dict(
+        seconds=t / share,
+        sent=int(sum(len(msgpack.packb(x, use_bin_type=True)) for x in per_rank)),
+        received=int(len(raw) / share),
     )
-    t, (xplan, _absent) = _timed(
-        plan_exchange, [{"need": g["need"], "held": h} for g, h in zip(needs, holders)]
-    )
-    rows["exchange planning"] = dict(seconds=t, transfers=len(xplan.transfers))
 
 
 def run_simulated(
@@ -1318,6 +1368,9 @@ SIM_RESTORE = (
     "restore check (same structure)",
     "to_state_dict: needs: all-gather",
     "to_state_dict: holders: all-gather",
+    "to_state_dict: error gather: all-gather",
+    "to_state_dict: needs + holdings: all-to-all",
+    "to_state_dict: transfers: all-to-all",
     "exchange planning",
 )
 

@@ -35,6 +35,7 @@ from ..model.mapping import ShardedObject, ShardedTensor, ShardId
 from ..model.validation import object_record, raise_problems, shard_record, sharding_problems
 from . import collectives
 from .distribution import ShardDistribution, assign_shards, shard_nbytes, structure_fingerprint
+from .exchange import ExchangePlan, Transfer
 
 #: Scope sizes (ranks) from which ``from_state_dict`` plans sharded. Below it one all-gather
 #: is cheap and gives Megatron-core's balance guarantee.
@@ -170,3 +171,85 @@ def _savers(shards, back: List[List[int]], group, scope) -> Dict[ShardId, int]:
         else:
             saver.setdefault(sh.shard_id, -1)
     return saver
+
+
+# ---- restore: the load exchange, planned by key ----------------------------------------------
+
+
+def plan_exchange_sharded(
+    need: Sequence[Tuple[str, Tuple[int, ...]]],
+    held: Sequence[Tuple[str, Tuple[int, ...], str, Tuple[int, ...]]],
+    group: Optional[dist.ProcessGroup],
+) -> Tuple[ExchangePlan, Optional[Tuple[int, ShardId]]]:
+    """This rank's part of the load exchange (collective over ``group``): the transfers it
+    sends or receives, ordered alike on both ends of every pair (what the ``p2p`` exchange
+    needs), planned by the keys' planners instead of from every rank's gathered lists.
+
+    ``need``: shard ids this rank lacks, in its template's order; ``held``: ``(key, offset,
+    dtype name, shape)`` it can serve. Returns the plan and, if some needed shard is held by
+    nobody, the first such ``(group rank, shard id)`` in the gathered planner's order (every
+    rank gets the same)."""
+    n = collectives.group_size(group)
+    out: List[Dict[str, list]] = [{"n": [], "h": []} for _ in range(n)]
+    for i, (key, off) in enumerate(need):
+        out[planner_of(key, n)]["n"].append([key, list(off), i])
+    for key, off, dtype, shape in held:
+        out[planner_of(key, n)]["h"].append([key, list(off), dtype, list(shape)])
+    received = collectives.all_to_all_msgpack(out, group)
+    per_rank, absent = _match(received, n)
+    first_absent = _first_absent(absent, group)
+    mine = collectives.all_to_all_msgpack(per_rank, group)
+    transfers, specs = [], {}
+    for part in mine:
+        for key, off, src, dst, nbytes, dtype, shape in part:
+            sid = (key, tuple(off))
+            transfers.append(Transfer(sid, src, dst, nbytes))
+            specs[sid] = (dtype, tuple(shape))
+    transfers.sort(key=lambda t: (t.src, t.dst, t.shard_id))
+    return ExchangePlan(tuple(transfers), specs), first_absent
+
+
+def _match(received: List[Dict[str, list]], n: int) -> Tuple[List[List[list]], List[list]]:
+    """A planner's work (pure): each needed shard of its keys from the holder with the fewest
+    bytes sent so far (as ``plan_exchange``); every transfer goes to both its ends."""
+    holders: Dict[ShardId, List[int]] = defaultdict(list)
+    spec: Dict[ShardId, Tuple[str, list]] = {}
+    for rank, g in enumerate(received):
+        for key, off, dtype, shape in g["h"]:
+            sid = (key, tuple(off))
+            holders[sid].append(rank)
+            spec.setdefault(sid, (dtype, shape))
+    sent: Dict[int, int] = defaultdict(int)
+    per_rank: List[List[list]] = [[] for _ in range(n)]
+    absent: List[list] = []
+    for dst, g in enumerate(received):
+        for key, off, pos in g["n"]:
+            sid = (key, tuple(off))
+            hs = holders.get(sid)
+            if not hs:
+                absent.append([dst, pos, key, off])
+                continue
+            if dst in hs:
+                continue
+            src = min(hs, key=lambda r: (sent[r], r))
+            dtype, shape = spec[sid]
+            nbytes = shard_nbytes(shape, dtype)
+            sent[src] += nbytes
+            row = [key, off, src, dst, nbytes, dtype, shape]
+            per_rank[src].append(row)
+            per_rank[dst].append(row)
+    return per_rank, absent
+
+
+def _first_absent(absent: List[list], group) -> Optional[Tuple[int, ShardId]]:
+    """The first needed-but-absent shard over all planners, by (rank, its position in that
+    rank's needs): one all-reduce when there is none."""
+    count = len(absent)
+    if collectives.group_size(group) > 1:
+        count = collectives.all_reduce_int(count, "sum", group)
+    if not count:
+        return None
+    mine = min(absent) if absent else None
+    everyone = collectives.all_gather_msgpack(mine, group) if collectives.group_size(group) > 1 else [mine]
+    dst, _pos, key, off = min(a for a in everyone if a is not None)
+    return dst, (key, tuple(off))

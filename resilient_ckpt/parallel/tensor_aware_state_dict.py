@@ -55,7 +55,7 @@ from .distribution import (
     structure_fingerprint,
 )
 from .exchange import ExchangePlan, check_algo, dtype_name, execute_exchange, plan_exchange
-from .sharded_planning import plan_sharded, use_sharded_planning
+from .sharded_planning import plan_exchange_sharded, plan_sharded, use_sharded_planning
 
 logger = logging.getLogger(__name__)
 
@@ -990,7 +990,52 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
 
     def _fill_same_structure(self, args, group, n, load_into_template, return_mismatch_keys):
         """``to_state_dict`` for a template of this checkpoint's own structure on every rank:
-        one gather of the shards each rank lacks, and (only if any) one of who holds them."""
+        only the shards ranks lack are looked up — one gather of them and (only if any) one of
+        who holds them; from SHARDED_PLANNING_MIN_WORLD ranks, planned by key instead
+        (``plan_exchange_sharded``: each rank's traffic is its own needs and holdings)."""
+        if use_sharded_planning(n):
+            req, plan = self._plan_same_structure_sharded(args, group)
+            exchange_algo = "p2p"  # each rank knows its own transfers only
+        else:
+            req, plan = self._plan_same_structure_gathered(args, group, n)
+            exchange_algo = req.exchange_algo
+        targets = _template_targets(req.template_shards) if load_into_template else {}
+        loaded = dict(req.held)
+        if plan.transfers:
+            loaded.update(
+                execute_exchange(
+                    plan, req.held, _allocator(targets, self._load_device()), group, exchange_algo
+                )
+            )
+        result = map_leaves(lambda v: v, self.common)
+        merge(result, req.nonpersistent)
+        merge(result, _fill_template(req, loaded, targets, {}, set()))
+        result = fill_holes(result)
+        return (result, set(), set()) if return_mismatch_keys else result
+
+    def _prepare_or_fail_together(self, args, group) -> "_LoadRequest":
+        local_exc: Optional[BaseException] = None
+        req = None
+        try:
+            req = self._prepare_load(*args)
+        except Exception as e:  # reported to every rank below
+            local_exc = e
+        collectives.gather_or_fail(None, local_exc, "preparing the restore", group)
+        assert req is not None
+        return req
+
+    def _plan_same_structure_sharded(self, args, group):
+        req = self._prepare_or_fail_together(args, group)
+        held = req.held
+        need = [(st.key, st.global_offset) for st in req.template_shards if st.shard_id not in held]
+        holdings = [(sid[0], sid[1], dtype_name(t.dtype), tuple(t.shape)) for sid, t in held.items()]
+        plan, first_absent = plan_exchange_sharded(need, holdings, group)
+        if first_absent is not None:
+            dst, sid = first_absent
+            raise _absent_error(collectives.global_rank(group, dst), sid)
+        return req, plan
+
+    def _plan_same_structure_gathered(self, args, group, n):
         local_exc: Optional[BaseException] = None
         req: Optional[_LoadRequest] = None
         facts: Dict[str, Any] = {"rank": _my_global_rank(), "error": None, "need": [], "held": []}
@@ -1017,19 +1062,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             holders = collectives.all_gather_msgpack(held_wanted, group) if n > 1 else [held_wanted]
             plan, absent = plan_exchange([{"need": g["need"], "held": h} for g, h in zip(members, holders)])
             _raise_absent(absent, members, None)
-        targets = _template_targets(req.template_shards) if load_into_template else {}
-        loaded = dict(req.held)
-        if plan.transfers:
-            loaded.update(
-                execute_exchange(
-                    plan, req.held, _allocator(targets, self._load_device()), group, req.exchange_algo
-                )
-            )
-        result = map_leaves(lambda v: v, self.common)
-        merge(result, req.nonpersistent)
-        merge(result, _fill_template(req, loaded, targets, {}, set()))
-        result = fill_holes(result)
-        return (result, set(), set()) if return_mismatch_keys else result
+        return req, plan
 
     def _gather_load_facts(self, args, group, validate, validation_group):
         """Local preparation, then the one metadata all-gather. A local error is not raised
@@ -1205,11 +1238,14 @@ def _raise_absent(absent_shards, members, ckpt_keys) -> None:
     for r, sids in sorted(absent_shards.items()):
         bad = [s for s in sids if ckpt_keys is None or s[0] in ckpt_keys]
         if bad:
-            raise ValidationError(
-                f"rank {members[r]['rank']}: shard {bad[0][0]!r} at offset {bad[0][1]} is in "
-                "no rank's checkpoint (parallel layout changed between save and load?); the "
-                "layout at load must match the one at save"
-            )
+            raise _absent_error(members[r]["rank"], bad[0])
+
+
+def _absent_error(rank: int, sid) -> ValidationError:
+    return ValidationError(
+        f"rank {rank}: shard {sid[0]!r} at offset {sid[1]} is in no rank's checkpoint (parallel "
+        "layout changed between save and load?); the layout at load must match the one at save"
+    )
 
 
 def _objects_nobody_saved(members, ckpt_keys) -> None:
