@@ -20,6 +20,7 @@ from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 from resilient_ckpt.memory.store import CheckpointId, dense_runs, plan_layout, plan_layout_runs
 from resilient_ckpt.model import codec, shard_table
 from resilient_ckpt.model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
+from resilient_ckpt.model.nested import nested_values
 from resilient_ckpt.parallel.tensor_aware_state_dict import (
     MCoreTensorAwareStateDict,
     hollow_parts,
@@ -118,18 +119,9 @@ def test_one_walk_parts_equal_what_the_general_path_derives(sd):
     assert parts.rows == rows and parts.skeleton == skeleton
     assert codec.encode(parts.objects) == codec.encode(objects)
     assert [s.data for s in parts.shards] == [s.data for s in parts.shards]  # the caller's, not copies
-    assert all(a is b for a, b in zip(parts.shards, [v for v in _leaves(sd) if isinstance(v, ShardedTensor)]))
-
-
-def _leaves(x):
-    if isinstance(x, dict):
-        for v in x.values():
-            yield from _leaves(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _leaves(v)
-    else:
-        yield x
+    assert all(
+        a is b for a, b in zip(parts.shards, [v for v in nested_values(sd) if isinstance(v, ShardedTensor)])
+    )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -146,7 +138,9 @@ def test_a_template_prepared_in_one_walk_equals_the_general_preparation(sd):
     assert hollow_parts(fast.sharded)[1] == hollow_parts(sharded)[1] == fast.structure[1]
     assert fast.structure[0] == hollow_parts(sharded)[0]
     # the prepared tree holds copies: filling it never reaches the caller's objects
-    assert all(a is not b for a, b in zip(fast.shards, _leaves(sd)))
+    originals = [v for v in nested_values(sd) if isinstance(v, ShardedTensor)]
+    assert len(fast.shards) == len(originals)
+    assert all(a is not b and a.key == b.key for a, b in zip(fast.shards, originals))
 
 
 @settings(max_examples=200, deadline=None)

@@ -306,45 +306,36 @@ def test_the_one_axis_fast_case_never_changes_the_verdict_or_its_words(ranks, as
     """Tensors split along at most one axis (possibly replicated) are accepted after a few
     comparisons; every other record set, valid or not, gets the full check: same outcome and
     message either way, for records as built locally (tuples) and as msgpack returns them."""
-    import resilient_ckpt.model.validation as validation
 
     def rec(v):
         r = ("w", v["offset"], v["extent"], v["shape"], v["dtype"], v["main"], v["mismatch"])
         return [list(x) if isinstance(x, tuple) else x for x in r] if as_lists else r
 
     records = [[rec(v) for v in rank] for rank in ranks]
-
-    def outcome():
-        try:
-            validate_sharding_integrity(records)
-            return "ok"
-        except ValidationError as e:
-            return str(e)
-
-    fast = outcome()
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(validation, "_tiles_along_one_axis", lambda entries: False)
-        assert outcome() == fast
+    assert _verdict(records) == _verdict_without_fast_case(records)
 
 
 @settings(max_examples=100, deadline=None)
 @given(_tiling(max_ranks=3), st.booleans())
 def test_random_tilings_get_the_same_verdict_with_and_without_the_fast_case(case, as_lists):
-    import resilient_ckpt.model.validation as validation
-
     gshape, _boxes, ranks = case
     records = _records(gshape, ranks)
     if as_lists:
         records = [[[list(x) if isinstance(x, tuple) else x for x in r] for r in rank] for rank in records]
+    assert _verdict(records) == _verdict_without_fast_case(records) == "ok"
 
-    def outcome():
-        try:
-            validate_sharding_integrity(records)
-            return "ok"
-        except ValidationError as e:
-            return str(e)
 
-    fast = outcome()
+def _verdict(records) -> str:
+    try:
+        validate_sharding_integrity(records)
+        return "ok"
+    except ValidationError as e:
+        return str(e)
+
+
+def _verdict_without_fast_case(records) -> str:
+    import resilient_ckpt.model.validation as validation
+
     with pytest.MonkeyPatch.context() as m:
         m.setattr(validation, "_tiles_along_one_axis", lambda entries: False)
-        assert outcome() == fast == "ok"
+        return _verdict(records)

@@ -1151,6 +1151,32 @@ def _local_phases(lay: SimLayout, dist_, rows: Dict[str, Dict[str, float]]) -> N
     rows["header unpack"] = dict(seconds=t)
 
 
+def _planners(keys: Sequence[str], world: int) -> Tuple[Dict[str, int], Dict[int, int], int]:
+    """Each key's planner, keys per planner, and the busiest planner (every key is held by
+    every rank in the simulated layout, so the one with the most keys)."""
+    from ..parallel.sharded_planning import planner_of
+
+    planner = {k: planner_of(k, world) for k in keys}
+    keys_of: Dict[int, int] = {}
+    for p in planner.values():
+        keys_of[p] = keys_of.get(p, 0) + 1
+    return planner, keys_of, max(keys_of, key=lambda p: (keys_of[p], -p))
+
+
+def _all_to_all(outgoing: Callable[[int, int], Any], world: int, busiest: int):
+    """An all_to_all_msgpack as rank 0 sends (``outgoing(0, d)`` to every d) and the busiest
+    planner receives (``outgoing(r, busiest)`` from every r, decoded and timed). Returns the
+    row and the decoded messages."""
+    import msgpack
+
+    sent = sum(len(msgpack.packb(outgoing(0, d), use_bin_type=True)) for d in range(world))
+    raws = [msgpack.packb(outgoing(r, busiest), use_bin_type=True) for r in range(world)]
+    t0 = time.perf_counter()
+    received = [msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True) for raw in raws]
+    row = dict(seconds=time.perf_counter() - t0, sent=sent, received=sum(len(r) for r in raws))
+    return row, received
+
+
 def _sim_sharded_save(lay: SimLayout, ranks: Sequence["_Rank"], rows: Dict[str, Dict[str, float]]) -> None:
     """The sharded planner (parallel/sharded_planning.py) as rank 0 sends and as the busiest
     planner receives and computes: messages built and encoded as the real code does
@@ -1162,16 +1188,10 @@ def _sim_sharded_save(lay: SimLayout, ranks: Sequence["_Rank"], rows: Dict[str, 
 
     world = lay.world
     rows["planning: error gather: all-gather"], _ = _gather(lambda r: {"e": "", "p": None}, world)
-    planner = {k: sp.planner_of(k, world) for k in ranks[0].keys}
+    planner, keys_of, busiest = _planners(ranks[0].keys, world)
     load: Dict[int, int] = {}
-    for rk in ranks[:1]:
-        for rec in rk.records:
-            load[planner[rec[0]]] = load.get(planner[rec[0]], 0) + 1
-    # every key is held by every rank here: the busiest planner has the most keys
-    keys_of: Dict[int, int] = {}
-    for p in planner.values():
-        keys_of[p] = keys_of.get(p, 0) + 1
-    busiest = max(keys_of, key=lambda p: (keys_of[p], -p))
+    for rec in ranks[0].records:
+        load[planner[rec[0]]] = load.get(planner[rec[0]], 0) + 1
 
     def outgoing(r: int, dest: int) -> dict:
         tag = [0, r, world]
@@ -1180,15 +1200,8 @@ def _sim_sharded_save(lay: SimLayout, ranks: Sequence["_Rank"], rows: Dict[str, 
             out["o"].append(ranks[r].obj_record)
         return out
 
-    sent = sum(len(msgpack.packb(outgoing(0, d), use_bin_type=True)) for d in range(world))
-    raws = [msgpack.packb(outgoing(r, busiest), use_bin_type=True) for r in range(world)]
-    t0 = time.perf_counter()
-    received = [msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True) for raw in raws]
-    t = time.perf_counter() - t0
-    rows["planning: records: all-to-all"] = dict(
-        seconds=t, sent=sent, received=sum(len(r) for r in raws), planner_keys=keys_of[busiest]
-    )
-    del raws
+    rows["planning: records: all-to-all"], received = _all_to_all(outgoing, world, busiest)
+    rows["planning: records: all-to-all"]["planner_keys"] = keys_of[busiest]
     t, (problems, answers) = _timed(sp._plan, received, busiest, world)
     if problems:
         raise AssertionError(f"the simulated layout fails its integrity check: {problems[:3]}")
@@ -1234,11 +1247,7 @@ def _sim_same_structure_fill(ranks: Sequence["_Rank"], world: int, rows: Dict[st
         rows["exchange planning"] = dict(seconds=t, transfers=len(xplan.transfers))
         return
     rows["to_state_dict: error gather: all-gather"], _ = _gather(lambda r: {"e": "", "p": None}, world)
-    planner = {k: sp.planner_of(k, world) for k in ranks[0].keys}
-    keys_of: Dict[int, int] = {}
-    for p in planner.values():
-        keys_of[p] = keys_of.get(p, 0) + 1
-    busiest = max(keys_of, key=lambda p: (keys_of[p], -p))
+    planner, keys_of, busiest = _planners(ranks[0].keys, world)
 
     def outgoing(r: int, dest: int) -> dict:
         rk = ranks[r]

@@ -102,9 +102,9 @@ def split(x: Any, predicate: Callable[[Any], bool]) -> Tuple[Any, Any]:
         for k, v in x.items():
             if is_container(v):
                 m, r = split(v, predicate)
-                if _nonempty(m):
+                if nonempty(m):
                     match[k] = m
-                if _nonempty(r) or not v:
+                if nonempty(r) or not v:
                     rest[k] = r
             elif predicate(v):
                 match[k] = v
@@ -117,19 +117,21 @@ def split(x: Any, predicate: Callable[[Any], bool]) -> Tuple[Any, Any]:
         for v in x:
             if is_container(v) and v:
                 m, r = split(v, predicate)
-                match_l.append(m if _nonempty(m) else HOLE)
-                rest_l.append(r if _nonempty(r) else HOLE)
+                match_l.append(m if nonempty(m) else HOLE)
+                rest_l.append(r if nonempty(r) else HOLE)
             elif not is_container(v) and predicate(v):
                 match_l.append(v)
                 rest_l.append(HOLE)
             else:
                 match_l.append(HOLE)
                 rest_l.append(v)
-        return (match_l if _nonempty(match_l) else []), rest_l
+        return (match_l if nonempty(match_l) else []), rest_l
     raise TypeError(f"split() needs a dict or list at the top level, got {type(x).__name__}")
 
 
-def _nonempty(x: Any) -> bool:
+def nonempty(x: Any) -> bool:
+    """A container holding something: a non-empty dict, a list with a non-HOLE entry (a
+    leaf counts as something)."""
     if isinstance(x, dict):
         return bool(x)
     if isinstance(x, list):

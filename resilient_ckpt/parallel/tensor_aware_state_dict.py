@@ -38,7 +38,16 @@ from ..model.mapping import (
 from ..model.mapping import (
     adapt as _adapt_leaf,
 )
-from ..model.nested import HOLE, fill_holes, map_leaves, map_leaves_inplace, merge, nested_values, split
+from ..model.nested import (
+    HOLE,
+    fill_holes,
+    map_leaves,
+    map_leaves_inplace,
+    merge,
+    nested_values,
+    nonempty,
+    split,
+)
 from ..model.validation import (
     StrictHandling,
     apply_strictness,
@@ -362,10 +371,10 @@ def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
                 match[k] = -len(objects)
             elif isinstance(v, (dict, list)):
                 m, r = _split_strip(v, parts)
-                if _nonempty(m):
+                if nonempty(m):
                     _check_key(k)
                     match[k] = m
-                if _nonempty(r) or not v:
+                if nonempty(r) or not v:
                     rest[k] = r
             elif _special(v):
                 raise _NotPlain
@@ -388,8 +397,8 @@ def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
         elif isinstance(v, (dict, list)):
             if v:
                 m, r = _split_strip(v, parts)
-                match_l.append(m if _nonempty(m) else HOLE)
-                rest_l.append(r if _nonempty(r) else HOLE)
+                match_l.append(m if nonempty(m) else HOLE)
+                rest_l.append(r if nonempty(r) else HOLE)
             else:
                 match_l.append(HOLE)
                 rest_l.append({} if isinstance(v, dict) else [])
@@ -398,7 +407,7 @@ def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
         else:
             match_l.append(HOLE)
             rest_l.append(v)
-    return (match_l if _nonempty(match_l) else []), rest_l
+    return (match_l if nonempty(match_l) else []), rest_l
 
 
 def _check_key(k: Any) -> None:
@@ -406,14 +415,6 @@ def _check_key(k: Any) -> None:
     # sharded leaf keep that comparison exact (Megatron's state dicts have nothing else).
     if type(k) is not str:
         raise _NotPlain
-
-
-def _nonempty(x: Any) -> bool:
-    if isinstance(x, dict):
-        return bool(x)
-    if isinstance(x, list):
-        return any(v is not HOLE for v in x)
-    return True
 
 
 def _load_facts(
