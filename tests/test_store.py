@@ -404,3 +404,42 @@ def test_other_sessions_under_the_root_are_listed_for_diagnostics(tmp_root):
     b = CheckpointStore(tmp_root, "run-b", world_size=1)
     assert b.other_sessions() == ["run-a"] and b.list() == []
     assert a.other_sessions() == []
+
+
+def test_a_child_forked_while_the_store_is_locked_does_not_keep_it_locked(tmp_root):
+    """nvidia-resiliency-ext's async writer forks the trainer at every save; a fork while a
+    thread held the node store's lock left the child holding it until it exited, so the
+    trainer's next reservation waited for the child (seen as a Megatron-LM test hanging)."""
+    import fcntl
+    import os
+    import threading
+
+    store = CheckpointStore(str(tmp_root), "fork")
+    read_end, write_end = os.pipe()
+    with store._locked():
+        pid = os.fork()
+        if pid == 0:  # the child: wait for the parent's word, then leave without cleanup
+            os.close(write_end)
+            os.read(read_end, 1)
+            os._exit(0)
+    os.close(read_end)
+    try:
+        # The parent released the lock by leaving the block: another process (here: a fresh
+        # open file description, as a second trainer on the node would have) gets it at once.
+        fd = os.open(store._lock_path, os.O_RDWR)
+        try:
+            got = threading.Event()
+
+            def take():
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                got.set()
+
+            t = threading.Thread(target=take, daemon=True)
+            t.start()
+            assert got.wait(timeout=10), "the forked child still holds the store lock"
+        finally:
+            os.close(fd)
+    finally:
+        os.write(write_end, b"x")
+        os.close(write_end)
+        os.waitpid(pid, 0)

@@ -31,24 +31,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from .. import fork_safe_locks
+
 logger = logging.getLogger(__name__)
-
-# fds of locks this process holds, closed in forked children: a child keeping a copy of the
-# locked file description would otherwise keep the lock alive after the trainer died.
-_HELD: Dict[int, str] = {}
-_HELD_LOCK = threading.Lock()
-
-
-def _close_inherited_locks() -> None:
-    for fd in list(_HELD):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 class SaveDoneSignal:
@@ -58,17 +43,19 @@ class SaveDoneSignal:
         self.path = str(path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        with _HELD_LOCK:
-            _HELD[fd] = self.path
+        # Closed in forked children: a child keeping a copy of the locked file description
+        # would otherwise keep the lock alive after the trainer died.
+        fork_safe_locks.hold(fd, self.path)
         self._fd: Optional[int] = fd
+        self._fd_lock = threading.Lock()
 
     def set(self) -> None:
         """The save finished (either way): release every waiter. Idempotent."""
-        with _HELD_LOCK:
+        with self._fd_lock:
             fd, self._fd = self._fd, None
             if fd is None:
                 return
-            _HELD.pop(fd, None)
+            fork_safe_locks.release(fd)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

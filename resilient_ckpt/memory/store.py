@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import msgpack
 import torch
 
+from .. import fork_safe_locks
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, StoreError, StoreFullError
 from ..gc_pause import paused_gc
 from . import checksum
@@ -532,11 +533,14 @@ class CheckpointStore:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            # A child forked meanwhile must not keep the node's store locked after we close.
+            fork_safe_locks.hold(fd, str(self._lock_path))
             yield
         finally:
+            fork_safe_locks.release(fd)
             os.close(fd)  # releases the lock, also when this process is killed
 
     # ---- paths -----------------------------------------------------------------------------
