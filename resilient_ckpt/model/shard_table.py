@@ -56,12 +56,8 @@ def encode_rows(rows: Sequence[tuple]) -> bytes:
         return msgpack.packb([TABLE_VERSION, rows], use_bin_type=True)
 
 
-def encode_shards(shards: Sequence[ShardedTensor]) -> bytes:
-    return encode_rows([shard_row(st) for st in shards])
-
-
 def decode_shards(data: Any) -> List[ShardedTensor]:
-    """ShardedTensors (``data`` None) from :func:`encode_shards`' bytes."""
+    """ShardedTensors (``data`` None) from :func:`encode_rows`' bytes."""
     return decode_table(data)[1]
 
 
