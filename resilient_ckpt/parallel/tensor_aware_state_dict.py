@@ -344,10 +344,16 @@ def _from_parts(parts: SnapshotParts):
     objects), the common part, its ShardedTensors and ShardedObjects in nested order."""
     shards = [_shallow_copy(st) for st in parts.shards]
     objects = [_shallow_copy(o) for o in parts.objects]
-    sharded = map_leaves(
-        lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v, parts.skeleton
-    )
-    return sharded, parts.common, shards, objects
+    return _tree_from_skeleton(parts.skeleton, shards, objects), parts.common, shards, objects
+
+
+def _tree_from_skeleton(skeleton: Any, shards: Sequence[ShardedTensor], objects: Sequence[ShardedObject]):
+    """The sharded tree a skeleton stands for (ints are ShardedTensor ``i`` or, negative,
+    ShardedObject ``-1 - i``; see ``to_bytes``), built out of place."""
+    with paused_gc():
+        return map_leaves(
+            lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v, skeleton
+        )
 
 
 def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
@@ -541,10 +547,8 @@ def _all_same_structure(template, own, validation_group, local_error) -> bool:
             same = _same_structure(template, own)
         except Exception:  # e.g. a template leaf the walk cannot take: the full check decides
             same = False
-    if not dist.is_initialized():
-        return same
-    scope = validation_group if validation_group is not None else dist.group.WORLD
-    return collectives.all_agree(same, scope)
+    scope = _scope_group(validation_group)
+    return same if scope is None else collectives.all_agree(same, scope)
 
 
 def _same_structure(template: PreparedTemplate, saved: "MCoreTensorAwareStateDict") -> bool:
@@ -667,12 +671,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         if scope is not None and use_sharded_planning(collectives.group_size(scope)):
             # Thousands of ranks: each rank plans some keys (parallel/sharded_planning.py).
             distribution = plan_sharded(shards, objects, group, scope, local_exc)
-            if not (fully_parallel and n > 1):
-                distribution = None
         else:
             distribution = _plan_gathered(shards, objects, group, validation_group, local_exc)
-            if not (fully_parallel and n > 1):
-                distribution = None
+        if not (fully_parallel and n > 1):
+            distribution = None  # validated; nothing to deduplicate
         if distribution is not None:
             _drop_unsaved(shards, distribution, collectives.group_rank(group))
         return cls(common=common, sharded_state_dict=sharded, _listed=(sharded, shards)), distribution
@@ -879,11 +881,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 rows, shards = shard_table.decode_table(d["shards"])
                 objects = d["objects"]
                 skeleton = codec.decode(d["skeleton"])
-                with paused_gc():
-                    sharded = map_leaves(
-                        lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v,
-                        skeleton,
-                    )
+                sharded = _tree_from_skeleton(skeleton, shards, objects)
                 structure = (sharded, (skeleton, list(rows)))
             else:
                 sharded = d["sharded"]
