@@ -40,6 +40,8 @@ from ..memory.staging import SegmentPrefetcher, Stager
 from ..memory.store import DEFAULT_ROOT, CheckpointStore, validate_session_id
 from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution
+from ..replication.parity import ParityGroup, parity_groups
+from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
 from ..replication.placement import Placement, clique_placement, ring_placement
 from ..replication.replicator import Replicator
@@ -107,6 +109,14 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             bytes live in host memory, and gloo moves them from there without two PCIe copies
             and without sharing NCCL resources with training collectives running on the main
             thread at the same time. ``"nccl"`` routes them through device bounce buffers.
+        redundancy: ``"replicas"`` (default: ``replication_factor`` full copies) or
+            ``"parity"``: ranks of ``parity_group + parity_shares`` different nodes form a group
+            whose members store erasure-coded parity of each other (RAID-5 style rotation: each
+            rank keeps ``parity_shares / parity_group`` of its own bytes as parity); any
+            ``parity_shares`` lost nodes of a group are rebuilt from the survivors at restore.
+            Any world size (leftover ranks form a smaller group). Embedded mode only.
+        parity_group: k, data blocks per stripe (memory overhead m/k, rebuild reads k blocks).
+        parity_shares: m, 1 (XOR) or 2 (Reed-Solomon via zfec: survives two lost nodes).
         session: alias of ``session_id``.
         persistent_dir: a directory (shared file system) for the persistent tier: the newest
             complete in-memory iteration is flushed there as a standard
@@ -145,6 +155,9 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         exchange_algo: str = "p2p",
         fault_hook: Optional[Callable[[str], None]] = None,
         replication_backend: str = "gloo",
+        redundancy: str = "replicas",
+        parity_group: int = 4,
+        parity_shares: int = 1,
         session: Optional[str] = None,
         persistent_dir: Optional[str] = None,
         flush_every: int = 0,
@@ -179,6 +192,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         self.replication_backend = opts.replication.backend
         self.mode = opts.mode
         self.placement: Placement = self._make_placement(opts.replication)
+        self.parity_groups = self._make_parity_groups()
         self.store = CheckpointStore(opts.store_root, self.session_id, self.world_size, opts.memory_budget)
         self._init_state()
         self._client = None
@@ -188,8 +202,22 @@ class CheckpointManager(SavePath, LoadPath, Healing):
     #: LocalCheckpointManager: holders on the owner's node are dropped, not refused
     _skip_same_node = False
 
+    def _make_parity_groups(self) -> Tuple[ParityGroup, ...]:
+        """The parity groups (``redundancy="parity"``), from the placement's nodes; () else."""
+        rep = self.options.replication
+        if rep.redundancy != "parity":
+            return ()
+        if self.world_size == 1:
+            logger.warning(
+                "a single process has no peer to hold parity: checkpoints stay in this node's memory only"
+            )
+            return ()
+        return parity_groups(
+            self.world_size, self.placement.ranks_per_node, rep.parity_group, rep.parity_shares
+        )
+
     def _make_placement(self, rep: ReplicationOptions, rpn: Optional[int] = None) -> Placement:
-        factor = rep.factor
+        factor = 1 if rep.redundancy == "parity" else rep.factor
         if self.world_size == 1 and factor > 1:
             logger.warning(
                 "a single process has no peer to hold a replica: checkpoints stay in this node's "
@@ -234,6 +262,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             rpn,
         )
         self.placement = self._make_placement(self.options.replication, rpn)
+        self.parity_groups = self._make_parity_groups()
 
     def _init_state(self) -> None:
         """Threads, groups (created on first use) and the bookkeeping of saves and loads."""
@@ -301,7 +330,11 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             self._par_group = self._mirror_parallelization_group()
             self._check_shared_stores()
             self._transport = P2PTransport(self._group, timeout=self.timeout_s)
-            if self._replicator is None:
+            if self._replicator is None and self.parity_groups:
+                self._replicator = ParityReplicator(
+                    self._transport, self.parity_groups, self.store, self.rank
+                )
+            elif self._replicator is None:
                 self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)
         return self._group
 

@@ -34,6 +34,8 @@ from ..parallel.tensor_aware_state_dict import (
     prepare_template,
     template_targets,
 )
+from ..replication.parity import group_of
+from ..replication.parity_peer import rebuild_lost
 from ..replication.placement import plan_retrieval
 from .metrics import LoadMetrics
 from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
@@ -53,7 +55,7 @@ class LoadPath:
         self.wait_for_saves()
         holdings = self._holdings()
         self._raise_if_only_foreign(holdings)
-        complete = holdings.complete_iterations(self.world_size)
+        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         self.latest_iteration = complete[0] if complete else -1
         if self.latest_iteration < self._last_saved:
             # What this job saved above it is not restorable any more (copies lost, a save
@@ -65,7 +67,7 @@ class LoadPath:
         return self.latest_iteration
 
     def _raise_if_only_foreign(self, holdings: Holdings) -> None:
-        complete = holdings.complete_iterations(self.world_size)
+        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         notes = sorted({n for per in holdings.foreign for n in per})
         if notes and not complete:
             raise CheckpointingException(
@@ -228,16 +230,23 @@ class LoadPath:
                 if self._tier is not None
                 else "no persistent tier is configured (CheckpointManager(persistent_dir=...))"
             )
+            rep = self.options.replication
+            redundancy = (
+                f"redundancy='parity', parity_group={rep.parity_group}, parity_shares={rep.parity_shares}: "
+                "more nodes of one group lost than it tolerates"
+                if self.parity_groups
+                else f"replication_factor={self.placement.replication_factor}"
+            )
             logger.warning(
                 "session %r: memory holds iterations %s but none completely: the newest, %d, "
-                "lacks the data of ranks %s (their node and every replica are gone; "
-                "replication_factor=%d). Nothing can be restored from memory; %s — restore from "
-                "your own checkpoint or the run restarts from scratch",
+                "lacks the data of ranks %s (their node and every copy are gone; %s). Nothing "
+                "can be restored from memory; %s — restore from your own checkpoint or the run "
+                "restarts from scratch",
                 self.session_id,
                 sorted(held, reverse=True)[:5],
                 newest,
                 rank_ranges(missing),
-                self.placement.replication_factor,
+                redundancy,
                 fallback,
             )
             return
@@ -277,7 +286,7 @@ class LoadPath:
         self.wait_for_saves()
         holdings = self._holdings(failure)
         self._raise_if_only_foreign(holdings)
-        complete = holdings.complete_iterations(self.world_size)
+        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         in_memory = complete[0] if complete else -1
         durable = tier.agreed_latest()
         if durable is None or durable.iteration <= in_memory:
@@ -321,7 +330,7 @@ class LoadPath:
         if holdings is None:  # else gathered just before, after the same drain
             holdings = gather_holdings(self.store, control, self.world_size, failure)
             self._raise_if_only_foreign(holdings)
-        complete = holdings.complete_iterations(self.world_size)
+        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         if not complete:
             self.latest_iteration = -1
             self._warn_unrestorable(holdings)
@@ -348,6 +357,14 @@ class LoadPath:
             self._drop_abandoned(newer_than=iteration)
             if self._client is not None:
                 holdings = self._pull_missing(holdings, iteration, control)
+            try:
+                holdings = self._rebuild_from_parity(holdings, iteration, control)
+            except (CorruptCheckpointError, NoReplicaError) as e:  # same facts, same words everywhere
+                logger.warning(
+                    "iteration %d cannot be rebuilt from parity (%s); trying an older one", iteration, e
+                )
+                last_error = e
+                continue
             decoded: Dict[int, MCoreTensorAwareStateDict] = {}
             if template is not None:
                 # Before any byte lands in the template: a restore that cannot succeed leaves
@@ -378,6 +395,39 @@ class LoadPath:
         raise CheckpointingException(
             f"no complete iteration could be restored (tried {complete}); last error: {last_error}"
         ) from last_error
+
+    def _rebuild_from_parity(self, holdings: Holdings, iteration: int, control) -> Holdings:
+        """Owners of ``iteration`` whose data no store holds are decoded from their parity
+        group into their own rank's store, then holdings are gathered again (collective; a
+        no-op, decided from gathered facts, when nothing is missing)."""
+        available = holdings.available(iteration)
+        if not self.parity_groups or all(r in available for r in range(self.world_size)):
+            return holdings
+        lost = sorted(set(range(self.world_size)) - set(available))
+        sizes: Dict[int, int] = {}
+        for holder, n in holdings.parity_block_sizes(iteration).items():
+            sizes.setdefault(group_of(self.parity_groups, holder).members[0], n)
+        report = rebuild_lost(
+            self.store,
+            self._transport,
+            self.parity_groups,
+            iteration,
+            {owner: ranks[0] for owner, ranks in available.items()},
+            holdings.parity_at(iteration),
+            sizes,
+            self.rank,
+            control,
+        )
+        self._parity_rebuild = report
+        if self.rank == 0:
+            logger.warning(
+                "iteration %d: rebuilt the data of ranks %s from parity (%d attempt(s)); their "
+                "parity shares are back at the next save",
+                iteration,
+                rank_ranges(lost),
+                report.attempts,
+            )
+        return gather_holdings(self.store, control, self.world_size)
 
     def _adopt(self, retrieved: Retrieved, iteration: int, holdings: Holdings, complete: List[int]) -> None:
         """The restored iteration defines the timeline (also for an in-process restart):
@@ -420,9 +470,17 @@ class LoadPath:
         left alone."""
         try:
             cids = self.store.list()
+            stale_parity = [
+                p for p in self.store.list_parity() if p.iteration > newer_than and self._is_ours_parity(p)
+            ]
         except OSError as e:
             logger.warning("could not list %s: %s", self.store.dir, e)
             return
+        for pid in stale_parity:
+            try:
+                self.store.discard(pid)
+            except OSError as e:
+                logger.warning("could not discard %s: %s", pid.stem(), e)
         for cid in cids:
             if cid.iteration <= newer_than:
                 continue

@@ -25,6 +25,13 @@ class SaveMetrics:
     #: the save reused the previous save's structure, encoding and layout (a cached save of an
     #: unchanged plain state dict: no per-shard encoding on the calling thread)
     structure_cached: bool = False
+    #: host memory the node's store (this session) occupies once this save is complete and
+    #: older iterations are retired: allocated blocks of every file — own data, replicas or
+    #: parity, headers, the free pool (the next save's spare segment among them)
+    store_bytes: int = 0
+    #: redundancy="parity": seconds coding this rank's parity blocks, and the data bytes coded
+    parity_encode_s: float = 0.0
+    parity_coded_bytes: int = 0
 
     def as_dict(self) -> Dict[str, float]:
         return dict(self.__dict__)

@@ -16,6 +16,7 @@ from ..errors import ValidationError
 from ..memory.store import DEFAULT_ROOT
 
 PLACEMENTS = ("ring", "clique")
+REDUNDANCY = ("replicas", "parity")
 MODES = ("embedded", "service")
 
 
@@ -34,6 +35,15 @@ class ReplicationOptions:
     #: backend of the checkpoint groups: gloo moves host-memory bytes without PCIe copies and
     #: without sharing NCCL resources with training; ``"nccl"`` bounces through the device
     backend: str = "gloo"
+    #: ``"replicas"``: full copies (``factor``); ``"parity"``: erasure-coded parity groups of
+    #: ``parity_group`` data members + ``parity_shares`` parity shares, one member per node
+    #: (each rank stores parity_shares/parity_group of its own bytes; any parity_shares nodes
+    #: of a group may be lost). Embedded mode only.
+    redundancy: str = "replicas"
+    #: k: data blocks per stripe (a group spans k + parity_shares nodes)
+    parity_group: int = 4
+    #: m: 1 (XOR) or 2 (Reed-Solomon, zfec)
+    parity_shares: int = 1
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,9 @@ FLAT = {
     "placement": ("replication", "placement"),
     "ranks_per_node": ("replication", "ranks_per_node"),
     "replication_backend": ("replication", "backend"),
+    "redundancy": ("replication", "redundancy"),
+    "parity_group": ("replication", "parity_group"),
+    "parity_shares": ("replication", "parity_shares"),
     "persistent_dir": ("persistent", "directory"),
     "flush_every": ("persistent", "flush_every"),
     "flush_on_sigterm": ("persistent", "flush_on_sigterm"),
@@ -134,6 +147,28 @@ def _check(opts: ManagerOptions) -> None:
         raise ValidationError(f"keep_last must be >= 1, got {opts.keep_last}")
     if opts.replication.placement not in PLACEMENTS:
         raise ValidationError(f"placement must be 'ring' or 'clique', got {opts.replication.placement!r}")
+    rep = opts.replication
+    if rep.redundancy not in REDUNDANCY:
+        raise ValidationError(f"redundancy must be 'replicas' or 'parity', got {rep.redundancy!r}")
+    if rep.redundancy == "parity":
+        for name, v in (("parity_group", rep.parity_group), ("parity_shares", rep.parity_shares)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValidationError(f"{name} must be a positive integer, got {v!r}")
+        if rep.parity_shares > 2:
+            raise ValidationError(
+                f"parity_shares={rep.parity_shares} is not supported; use 1 (XOR) or 2 (Reed-Solomon)"
+            )
+        if rep.factor != ReplicationOptions.factor:
+            raise ValidationError(
+                f"replication_factor={rep.factor} and redundancy='parity' are two redundancy schemes; "
+                "pass one: parity_group/parity_shares for parity, or redundancy='replicas'"
+            )
+        if opts.mode == "service":
+            raise ValidationError(
+                "redundancy='parity' is embedded-mode only: the node daemon stores and serves full "
+                "replicas. Use mode='embedded' (no endpoint) for parity, or redundancy='replicas' "
+                "with the daemon"
+            )
 
 
 def service_endpoint(opts: ManagerOptions) -> str:

@@ -28,6 +28,7 @@ from ..memory import checksum
 from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, TensorLayout
 from ..parallel import collectives
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from ..replication.parity import ParityGroup, recoverable_owners
 from ..replication.placement import Fetch, plan_retrieval
 from ..replication.transport import Incoming, Outgoing, P2PTransport
 
@@ -46,6 +47,8 @@ class Holdings:
     ids: Tuple[Mapping[Tuple[int, int], int], ...]
     #: per rank: human-readable notes about checkpoints that cannot be used here
     foreign: Tuple[Tuple[str, ...], ...]
+    #: per rank: {(iteration, holder): block size} of the parity files its node store holds
+    parity: Tuple[Mapping[Tuple[int, int], int], ...] = ()
 
     def node_of(self, rank: int) -> int:
         return self._node_index[self.store_keys[rank]]
@@ -65,10 +68,29 @@ class Holdings:
                 owners.setdefault(it, set()).add(owner)
         return owners
 
-    def complete_iterations(self, world_size: int) -> List[int]:
-        """Iterations for which every owner rank's data is held somewhere, newest first."""
+    def complete_iterations(self, world_size: int, groups: Sequence[ParityGroup] = ()) -> List[int]:
+        """Iterations for which every owner rank's data is held somewhere, or (with parity
+        ``groups``) can be rebuilt from what is held, newest first."""
         full = set(range(world_size))
-        return sorted((it for it, o in self.owners_held().items() if o >= full), reverse=True)
+        owners = self.owners_held()
+        if groups:
+            for it in {it for per in self.parity for it, _ in per}:
+                held = owners.get(it, set())
+                owners[it] = held | recoverable_owners(groups, held, set(self.parity_at(it)))
+        return sorted((it for it, o in owners.items() if o >= full), reverse=True)
+
+    def parity_at(self, iteration: int) -> Dict[int, int]:
+        """holder -> the lowest rank whose node store holds its parity file of ``iteration``."""
+        out: Dict[int, int] = {}
+        for rank, per_rank in enumerate(self.parity):
+            for it, holder in per_rank:
+                if it == iteration:
+                    out.setdefault(holder, rank)
+        return out
+
+    def parity_block_sizes(self, iteration: int) -> Dict[int, int]:
+        """holder -> block size its parity file of ``iteration`` records."""
+        return {h: n for per in self.parity for (it, h), n in per.items() if it == iteration}
 
     def available(self, iteration: int) -> Dict[int, List[int]]:
         out: Dict[int, List[int]] = {}
@@ -110,6 +132,7 @@ def gather_holdings(
         store_keys=tuple(g["store"] for g in gathered),
         ids=tuple({(int(it), int(o)): int(n) for it, o, n in g["ids"]} for g in gathered),
         foreign=tuple(tuple(g["foreign"]) for g in gathered),
+        parity=tuple({(int(it), int(h)): int(n) for it, h, n in g.get("parity", ())} for g in gathered),
     )
 
 
@@ -130,10 +153,19 @@ def _scan_holdings(store: CheckpointStore, world_size: int) -> dict:
             foreign.append(f"{cid.stem()}: owner rank {h.owner} outside world size {world_size}")
             continue
         ids[(cid.iteration, cid.owner)] = h.data_nbytes
+    parity = []
+    for pid in store.list_parity():
+        try:
+            meta = store.read_parity_header(pid)
+            if meta["world_size"] == world_size:
+                parity.append([pid.iteration, pid.holder, int(meta["block_nbytes"])])
+        except (CorruptCheckpointError, StoreError, OSError, KeyError, TypeError) as e:
+            logger.warning("ignoring unreadable parity file %s: %s", pid.stem(), e)
     return {
         "store": store_identity(store),
         "ids": [[it, o, n] for (it, o), n in sorted(ids.items())],
         "foreign": foreign[:5],
+        "parity": parity,
     }
 
 

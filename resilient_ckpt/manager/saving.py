@@ -32,6 +32,7 @@ from ..memory.staging import RunPlan, StagingHandle
 from ..memory.store import (
     CheckpointHeader,
     CheckpointId,
+    ParityId,
     Segment,
     TensorLayout,
     new_layout,
@@ -515,6 +516,10 @@ class SavePath:
             logger.warning("could not retire old checkpoints in %s: %s", self.store.dir, e)
         cache = self._snapshot_cache
         plan = cache.plan if cache is not None and cache.total == job.header.data_nbytes else None
+        try:
+            job.metrics.store_bytes = self.store.store_bytes()
+        except OSError as e:
+            logger.debug("store bytes not measured: %s", e)
         self._prefetcher.prefetch(job.header.data_nbytes, plan)
         self.last_save_metrics = job.metrics
         logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())
@@ -528,6 +533,9 @@ class SavePath:
         result = self._replicator.replicate(header, segment)
         m.bytes_replicated_out = result.bytes_out
         m.bytes_replicated_in = result.bytes_in
+        encoded = getattr(self._replicator, "last_encode", None)
+        if encoded is not None:
+            m.parity_encode_s, m.parity_coded_bytes = encoded.seconds, encoded.nbytes
         return result.received
 
     def _discard_failed(self, iteration: int, received: List[CheckpointId]) -> None:
@@ -548,6 +556,16 @@ class SavePath:
         for cid in self.store.list():
             if cid.iteration < threshold and self._is_ours(cid):
                 self.store.discard(cid)
+        for pid in self.store.list_parity():
+            if pid.iteration < threshold and self._is_ours_parity(pid):
+                self.store.discard(pid)
+
+    def _is_ours_parity(self, pid: ParityId) -> bool:
+        try:
+            return self.store.read_parity_header(pid)["world_size"] == self.world_size
+        except (StoreError, OSError, KeyError, TypeError) as e:
+            logger.debug("not retiring %s: %s", pid.stem(), e)
+            return False
 
     def _is_ours(self, cid: CheckpointId) -> bool:
         """Deletions act only on checkpoints whose header names this session and world size:

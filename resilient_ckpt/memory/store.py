@@ -4,6 +4,8 @@ Layout under ``{root}/{session}/``::
 
     iter_{iteration:020d}.owner_{owner:06d}.data   tensor bytes, one contiguous segment
     iter_{iteration:020d}.owner_{owner:06d}.hdr    msgpack header, published last (atomic rename)
+    iter_{iteration:020d}.parity_{holder:06d}.data parity blocks rank ``holder`` keeps for its group
+    iter_{iteration:020d}.parity_{holder:06d}.hdr  their header (:class:`ParityHeader`), published last
     free/seg_{n}.data                              retired segments kept for reuse
     .lock                                          flock for free-pool and budget decisions
 
@@ -55,6 +57,8 @@ DEFAULT_ROOT = "/dev/shm/resilient_ckpt"
 _MAX_HEADER_BYTES = 1 << 30
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _NAME = re.compile(r"^iter_(\d{20})\.owner_(\d{6})\.(data|hdr)$")
+_PARITY_NAME = re.compile(r"^iter_(\d{20})\.parity_(\d{6})\.(data|hdr)$")
+PARITY_MAGIC = "resilient_ckpt/parity"
 SMALL_SHM_BYTES = 1 << 30
 _PARSED_HEADERS = 64  # per store: a node's ranks x a few retained iterations
 # Unique file names within a process: two threads (prefetcher, replication) may reserve in the
@@ -74,6 +78,19 @@ class CheckpointId:
     def as_tuple(self) -> Tuple[int, int, str]:
         """nvidia-resiliency-ext's CkptID order: (iteration, rank, session)."""
         return (self.iteration, self.owner, self.session)
+
+
+@dataclass(frozen=True, order=True)
+class ParityId:
+    """The parity blocks rank ``holder`` keeps of iteration ``iteration`` for its group
+    (same file-naming interface as :class:`CheckpointId`)."""
+
+    iteration: int
+    holder: int
+    session: str
+
+    def stem(self) -> str:
+        return f"iter_{self.iteration:020d}.parity_{self.holder:06d}"
 
 
 @dataclass(frozen=True)
@@ -206,6 +223,34 @@ class CheckpointHeader:
             created_ns=int(d["created_ns"]),
             writer=str(d.get("writer", "")),
         )
+
+
+def pack_envelope(fields: Dict[str, Any]) -> bytes:
+    """msgpack ``fields`` inside the checksummed envelope headers use."""
+    body = msgpack.packb(fields, use_bin_type=True)
+    return msgpack.packb([body, checksum.digest(body)], use_bin_type=True)
+
+
+def unpack_envelope(raw: bytes, source: str, magic: str) -> Dict[str, Any]:
+    """The fields of :func:`pack_envelope`; any defect is a CorruptCheckpointError naming
+    ``source`` (a different format version: ForeignCheckpointError)."""
+    try:
+        body, digest = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_HEADER_BYTES)
+        if checksum.digest(body) != digest:
+            raise CorruptCheckpointError(f"{source}: header checksum mismatch (torn or corrupted)")
+        d = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=_MAX_HEADER_BYTES)
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"{source}: malformed header ({type(e).__name__}: {e})") from e
+    if not isinstance(d, dict) or d.get("magic") != magic:
+        raise CorruptCheckpointError(f"{source}: not a {magic} header")
+    if d.get("format_version") != FORMAT_VERSION:
+        raise ForeignCheckpointError(
+            f"{source}: format version {d.get('format_version')}, this build reads {FORMAT_VERSION}; "
+            "restore with a matching resilient_ckpt or start fresh"
+        )
+    return d
 
 
 _UNPINNABLE_WARNED: set = set()
@@ -443,13 +488,7 @@ class CheckpointReader:
         """Read-only mapping of the segment (the caller must not keep views past retention;
         writing through a view faults). ``populate`` maps every page up front (one kernel pass
         instead of a fault per 4 KiB page when all of it will be read)."""
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and hasattr(mmap, "MAP_POPULATE") else 0)
-        with open(self.path, "rb") as f:
-            m = mmap.mmap(f.fileno(), self.header.data_nbytes, flags=flags, prot=mmap.PROT_READ)
-        with warnings.catch_warnings():
-            # torch warns that the mapping is read-only; callers only read (send, verify) it.
-            warnings.simplefilter("ignore", UserWarning)
-            return m, torch.frombuffer(m, dtype=torch.uint8)
+        return map_readonly(self.path, self.header.data_nbytes, populate)
 
     def read_range(self, offset: int, out: memoryview) -> None:
         with open(self.path, "rb", buffering=0) as f:
@@ -474,6 +513,17 @@ class CheckpointReader:
         finally:
             del buf
             m.close()
+
+
+def map_readonly(path: Path, nbytes: int, populate: bool = False) -> Tuple[mmap.mmap, torch.Tensor]:
+    """A read-only shared mapping of ``nbytes`` of a store file, as a uint8 tensor."""
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and hasattr(mmap, "MAP_POPULATE") else 0)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        # torch warns that the mapping is read-only; callers only read (send, verify) it.
+        warnings.simplefilter("ignore", UserWarning)
+        return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:
@@ -569,9 +619,23 @@ class CheckpointStore:
             "data_bytes": data,
             "free_pool_bytes": free,
             "total_bytes": data + free,
+            "store_bytes": self.store_bytes(),
             "fs_free_bytes": st.f_bavail * st.f_frsize,
             "fs_total_bytes": st.f_blocks * st.f_frsize,
         }
+
+    def store_bytes(self) -> int:
+        """Host memory this session's store occupies on the node: allocated blocks
+        (``st_blocks``) of every file in it — own data, replicas, parity, headers, the free
+        pool and reservations (a segment being filled counts only the pages it has)."""
+        total = 0
+        for d in (self.dir, self.free_dir):
+            for p in _entries(d):
+                with contextlib.suppress(OSError):
+                    st = os.lstat(p)
+                    if stat.S_ISREG(st.st_mode):
+                        total += st.st_blocks * 512
+        return total
 
     def _preflight(self, need: int, candidate: Optional[Path] = None) -> None:
         """Raise StoreFullError, before anything is written, if ``need`` bytes do not fit.
@@ -747,9 +811,53 @@ class CheckpointStore:
                     out.append(self._id(int(m.group(1)), int(m.group(2))))
                 else:
                     _ignore(p, "a checkpoint name on something that is not a regular file")
-            elif not (p.name in ("free", ".lock") or _NAME.match(p.name) or p.name.startswith(".")):
+            elif not (
+                p.name in ("free", ".lock")
+                or _NAME.match(p.name)
+                or _PARITY_NAME.match(p.name)
+                or p.name.startswith(".")
+            ):
                 _ignore(p, "not a file this store writes")
         return sorted(out)
+
+    def list_parity(self) -> List[ParityId]:
+        """Published parity files of this session (headers present), sorted."""
+        out = []
+        for p in _entries(self.dir):
+            m = _PARITY_NAME.match(p.name)
+            if m and m.group(3) == "hdr" and _regular(p):
+                out.append(ParityId(int(m.group(1)), int(m.group(2)), self.session))
+        return sorted(out)
+
+    def claim_parity(self, segment: Segment, pid: ParityId) -> None:
+        """Give a reserved segment a parity file's name (one left by an abandoned save of the
+        same iteration is replaced: parity is recomputed by every save)."""
+        self.discard(pid)
+        target = self.data_path(pid)
+        os.replace(segment.path, target)
+        segment.path = target
+
+    def write_parity_header(self, raw: bytes, pid: ParityId) -> None:
+        path = self.header_path(pid)
+        tmp = self.dir / f".{pid.stem()}.hdr.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+
+    def read_parity_header(self, pid: ParityId) -> Dict[str, Any]:
+        """The parity header's fields (verified envelope, magic, version, session, id)."""
+        path = self.header_path(pid)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"no parity file {pid.stem()} in {self.dir}") from None
+        d = unpack_envelope(raw, str(path), PARITY_MAGIC)
+        if d.get("session") != self.session or (d.get("iteration"), d.get("holder")) != (
+            pid.iteration,
+            pid.holder,
+        ):
+            raise CorruptCheckpointError(f"{path} does not describe {pid.stem()} of session {self.session!r}")
+        return d
 
     def read_header(self, cid: CheckpointId) -> CheckpointHeader:
         path = self.header_path(cid)
@@ -849,10 +957,10 @@ class CheckpointStore:
     def sweep_orphans(self, in_flight: Iterable[CheckpointId] = ()) -> None:
         """Data files without a header (a crashed save) go to the free pool."""
         busy = {self.data_path(c) for c in in_flight}
-        published = {self.data_path(c) for c in self.list()}
+        published = {self.data_path(c) for c in [*self.list(), *self.list_parity()]}
         with contextlib.suppress(FileNotFoundError):
             for p in self.dir.iterdir():
-                m = _NAME.match(p.name)
+                m = _NAME.match(p.name) or _PARITY_NAME.match(p.name)
                 if m and m.group(3) == "data" and p not in published and p not in busy and _regular(p):
                     logger.info("recycling %s: data without a header (a save that did not finish)", p)
                     with self._locked():
