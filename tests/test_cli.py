@@ -115,6 +115,8 @@ def test_ls_json_reports_sessions_iterations_owners_and_local_completeness(root,
     one = 4096  # 1000 float32 rounded up to the 256-byte alignment
     assert its[10]["data_bytes"] == 4 * one and its[30]["data_bytes"] == 2 * one
     assert a["data_bytes"] == 10 * one
+    # the memory the session occupies: every file's allocated blocks (data, headers, pool)
+    assert a["store_bytes"] >= a["data_bytes"] + a["free_pool_bytes"] and a["parity_bytes"] == 0
     assert its[10]["created"] and its[10]["created_ns"] > 0
     b = sessions["job-b"]
     assert b["newest_complete"] is None

@@ -55,7 +55,10 @@ class EmbeddedSystem:
                 publish_s=m.publish_s,
                 replication_s=m.replication_s,
                 agreement_s=m.agreement_s,
+                store_bytes_node=m.store_bytes,
             )
+            if m.parity_encode_s > 0:
+                details["parity_encode_gbps"] = m.parity_coded_bytes / m.parity_encode_s / 1e9
 
         return SaveHandle(wait, saved_bytes=handle.metrics.bytes_staged, details=details)
 
@@ -67,6 +70,52 @@ class EmbeddedSystem:
 
     def teardown(self) -> None:
         self.manager.close()
+
+
+class LeanSystem(EmbeddedSystem):
+    """Replicas with the reference's retention: only the newest complete iteration kept."""
+
+    name = "ours-lean"
+
+    def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
+        return dict(super().manager_kwargs(ctx), keep_last=1)
+
+
+class ParitySystem(LeanSystem):
+    """XOR parity groups (k = 4 where it tiles the nodes, see :meth:`group_size`) instead of
+    full replicas, with the reference's retention."""
+
+    name = "ours-parity"
+
+    @classmethod
+    def memory_estimate(cls, bytes_per_rank: int, world_size: int) -> int:
+        b = bytes_per_rank  # store: 2 iterations x (own + a quarter) + spare; encode scratch B
+        return world_size * ((1 << 29) + 3 * b + int(2 * 1.25 * 0.75 * b) + int(0.75 * b))
+
+    def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
+        kw = super().manager_kwargs(ctx)
+        del kw["replication_factor"]
+        return dict(kw, redundancy="parity", parity_group=self.group_size(ctx), parity_shares=1)
+
+    @staticmethod
+    def group_size(ctx: RankContext) -> int:
+        """k = 4 where groups of 5 nodes tile the job, else the largest k < 4 that tiles it
+        (so every group has the same k), else nodes - 1."""
+        nodes = -(-ctx.world_size // ctx.ranks_per_node)
+        tiling = [k for k in (4, 3, 2, 1) if nodes % (k + 1) == 0]
+        return tiling[0] if tiling else max(1, min(4, nodes - 1))
+
+
+class ParityRSSystem(ParitySystem):
+    """Reed-Solomon parity (m = 2: any two nodes of a group may be lost), k = 2 where groups
+    of 4 nodes tile the job, else nodes - 2."""
+
+    name = "ours-parity-rs"
+
+    def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
+        nodes = -(-ctx.world_size // ctx.ranks_per_node)
+        k = 2 if nodes % 4 == 0 else max(1, min(2, nodes - 2))
+        return dict(super().manager_kwargs(ctx), parity_group=k, parity_shares=2)
 
 
 class _NodeDaemons:

@@ -59,6 +59,12 @@ SYSTEMS: Dict[str, str] = {
     "baseline-inline": "resilient_ckpt.bench.baseline:BaselineInlineSystem",
     "ours-embedded": "resilient_ckpt.bench.ours:EmbeddedSystem",
     "ours-service": "resilient_ckpt.bench.ours:ServiceSystem",
+    # the reference's retention (newest complete iteration only), full replicas
+    "ours-lean": "resilient_ckpt.bench.ours:LeanSystem",
+    # the reference's retention, XOR parity groups of k=4 (nodes-1 when fewer) instead of replicas
+    "ours-parity": "resilient_ckpt.bench.ours:ParitySystem",
+    # Reed-Solomon parity_shares=2 (k=2 where groups of 4 nodes tile the job)
+    "ours-parity-rs": "resilient_ckpt.bench.ours:ParityRSSystem",
 }
 BASELINE = "baseline"
 TIME_METRICS = ("stall_s", "durable_s", "restore_restart_s", "restore_node_loss_s")

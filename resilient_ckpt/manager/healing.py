@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..parallel import collectives
-from ..replication.healing import RepairPlan, plan_repairs
+from ..replication.healing import plan_repairs
+from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
+from ..replication.replicator import ReplicationResult
 from .loading import rank_ranges
 from .metrics import HealMetrics
 
@@ -27,6 +29,9 @@ class Healing:
         it finishes before the next save replicates; ``wait_healed()`` waits for it.
         Decided from the restore's gathered facts: every rank schedules it, or none."""
         facts, self._restore_facts = self._restore_facts, None
+        if facts is not None and self._group is not None and isinstance(self._replicator, ParityReplicator):
+            self._heal_parity(*facts)
+            return
         if facts is None or self._group is None or not isinstance(self._replicator, PeerReplicator):
             return  # service mode: the node daemon pulls a replaced node's data
         holdings, iteration = facts
@@ -49,15 +54,43 @@ class Healing:
                 rank_ranges(sorted({r.owner for r in plan.repairs})),
                 metrics.bytes / (1 << 20),
             )
-        future = self._worker.submit(self._heal, plan, metrics, time.perf_counter())
+        self._schedule_heal(
+            lambda: self._replicator.repair(iteration, plan.repairs), metrics, bool(plan.unrepairable)
+        )
+
+    def _heal_parity(self, holdings, iteration: int) -> None:
+        """Parity: the parity files of ``iteration`` no store holds (members rebuilt from
+        parity lost theirs) are coded again by their holders, the group's members sending their
+        blocks, so a further loss in the group is tolerated before the next save."""
+        held = holdings.parity_at(iteration)
+        missing = [r for g in self.parity_groups for r in g.members if r not in held]
+        if not missing:
+            return
+        sizes = holdings.parity_block_sizes(iteration)
+        block = max(sizes.values(), default=0)
+        metrics = HealMetrics(
+            iteration=iteration, copies=len(missing), bytes=block * self.parity_groups[0].m * len(missing)
+        )
+        if self.rank == 0:
+            logger.warning(
+                "iteration %d was restored with the parity of ranks %s missing; coding it again in the background",
+                iteration,
+                rank_ranges(missing),
+            )
+        self._schedule_heal(lambda: self._replicator.repair(iteration, missing), metrics, False)
+
+    def _schedule_heal(
+        self, work: Callable[[], ReplicationResult], metrics: HealMetrics, partial: bool
+    ) -> None:
+        future = self._worker.submit(self._heal, work, metrics, time.perf_counter(), partial)
         self._healing = future
         with self._lock:
             self._in_flight.append((-1, future))
 
-    def _heal(self, plan: RepairPlan, m: HealMetrics, t0: float) -> HealMetrics:
+    def _heal(self, work, m: HealMetrics, t0: float, partial: bool) -> HealMetrics:
         error: Optional[BaseException] = None
         try:
-            res = self._replicator.repair(m.iteration, plan.repairs)
+            res = work()
             m.bytes_in, m.bytes_out = res.bytes_in, res.bytes_out
         except Exception as e:
             error = e
@@ -66,7 +99,7 @@ class Healing:
         except Exception as e:
             agreed, error = False, error or e
         m.seconds = time.perf_counter() - t0
-        m.whole = agreed and not plan.unrepairable
+        m.whole = agreed and not partial
         self.last_heal_metrics = m
         if m.whole:
             if self.rank == 0:

@@ -335,6 +335,9 @@ class SavePath:
                 for it, owner in stale:
                     if (it, owner) in mine:
                         self.store.discard(CheckpointId(it, owner, self.session_id))
+                for pid in holdings.parity[self.rank] if holdings.parity else ():
+                    if pid[0] >= iteration:
+                        self.store.discard(ParityId(pid[0], pid[1], self.session_id))
             except OSError as e:
                 local = e
         if self.rank == 0:
@@ -546,19 +549,26 @@ class SavePath:
             self.store.discard(cid)
 
     def _retire(self) -> None:
-        """Keep the newest ``keep_last`` complete iterations and anything newer (in flight)."""
+        """Keep the newest ``keep_last`` complete iterations and anything newer (in flight);
+        retired segments go to the free pool (with ``keep_last=1`` only the node's own)."""
         kept = sorted(set(self._complete))[-self.keep_last :]
         self._complete = kept
         threshold = kept[0]
         if self._tier is not None:
             # A flush reading an older iteration from the store keeps it alive until done.
             threshold = min([threshold, *self._tier.pinned_iterations()])
+        # keep_last=1 asks for the least memory: only this node's own segments are pooled (each
+        # rank's next save reuses one, the spare); replicas and parity are released — the next
+        # ones land in fresh pages, on the save thread, off the training loop's path.
+        lean = self.keep_last == 1
+        p = self.placement
         for cid in self.store.list():
             if cid.iteration < threshold and self._is_ours(cid):
-                self.store.discard(cid)
+                own = cid.owner < self.world_size and p.node_of(cid.owner) == p.node_of(self.rank)
+                self.store.discard(cid, recycle=not lean or own)
         for pid in self.store.list_parity():
             if pid.iteration < threshold and self._is_ours_parity(pid):
-                self.store.discard(pid)
+                self.store.discard(pid, recycle=not lean)
 
     def _is_ours_parity(self, pid: ParityId) -> bool:
         try:

@@ -100,10 +100,33 @@ class ParityReplicator:
         return [r for r in self.group.members if r != self.rank]
 
     def replicate(self, header: CheckpointHeader, segment: Segment) -> ReplicationResult:
+        return self._encode(header, segment.buffer, set(self.group.members))
+
+    def repair(self, iteration: int, missing: Sequence[int]) -> ReplicationResult:
+        """Healing after a rebuild: re-create the parity files of ``missing`` holders (ranks
+        whose parity file of ``iteration`` no store holds) in this rank's group, from the
+        members' data in their stores. Every member of an affected group takes part."""
+        targets = {r for r in missing if r in self.group.members}
+        if not targets:
+            return ReplicationResult()
+        cid = CheckpointId(iteration, self.rank, self.store.session)
+        header = self.store.read_header(cid)
+        if not header.data_nbytes:
+            return self._encode(header, _EMPTY, targets)
+        _mapping, buf = map_readonly(self.store.data_path(cid), header.data_nbytes)
+        return self._encode(header, buf, targets)  # unmapped once the last view is gone
+
+    def _encode(self, header: CheckpointHeader, data: torch.Tensor, targets) -> ReplicationResult:
+        """Headers, then blocks, to the parity holders in ``targets`` (every member on save);
+        a holder in ``targets`` codes and publishes its parity file."""
         g, me = self.group, self.me
         raw = header.pack()
         headers: Dict[int, bytes] = {}
         sizes: Dict[int, int] = {self.rank: header.data_nbytes}
+        coding = self.rank in targets
+        # headers go to every holder being made; a holder being made hears from every member
+        send_to = [r for r in self._others if r in targets]
+        hear_from = self._others if coding else []
 
         def expect(src: int):
             def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
@@ -125,21 +148,27 @@ class ParityReplicator:
         failure: Optional[BaseException] = None
         try:
             s1 = self.transport.exchange(
-                [Outgoing(r, raw, _EMPTY) for r in self._others],
-                [Incoming(r, expect(r)) for r in self._others],
+                [Outgoing(r, raw, _EMPTY) for r in send_to],
+                [Incoming(r, expect(r)) for r in hear_from],
             )
         except ReplicationError as e:  # still take part in the block exchange (peers wait for it)
             failure, s1 = e, None
         if failure is not None:
-            self._blocks_nothing(f"rank {self.rank}: {failure}")
+            self._blocks_nothing(f"rank {self.rank}: {failure}", targets)
             raise failure
-        size = block_nbytes([sizes[r] for r in g.members], g.k)
+        if coding:
+            size = block_nbytes([sizes[r] for r in g.members], g.k)
+        else:  # healing: this member's own parity file records the group's block size
+            pid = ParityId(header.iteration, self.rank, self.store.session)
+            size = int(self.store.read_parity_header(pid)["block_nbytes"])
         # 2. blocks: to the parity holders of each of my stripes; theirs to me for mine
         outgoing = []
         for b, s in enumerate(g.data_stripes(me)):
-            blk = _block(segment.buffer, header.data_nbytes, b, size)
-            outgoing += [Outgoing(g.members[h], _DATA_MARK, blk) for h in g.holders(s)]
-        mine = g.parity_stripes(me)
+            to = [g.members[h] for h in g.holders(s) if g.members[h] in targets]
+            if to:
+                blk = _block(data, header.data_nbytes, b, size)
+                outgoing += [Outgoing(r, _DATA_MARK, blk) for r in to]
+        mine = g.parity_stripes(me) if coding else ()
         scratch: Dict[Tuple[int, int], torch.Tensor] = {}
 
         def land(s: int, j: int):
@@ -154,9 +183,9 @@ class ParityReplicator:
         incoming = [Incoming(g.members[j], land(s, j)) for s, _ in mine for j in g.data_members(s)]
         s2 = self.transport.exchange(outgoing, incoming)
         del outgoing
-        pid = self._publish_parity(header, headers, sizes, size, scratch)
+        pids = [self._publish_parity(header, headers, sizes, size, scratch)] if coding else []
         return ReplicationResult(
-            [pid],
+            pids,
             s1.bytes_sent + s2.bytes_sent,
             s1.bytes_received + s2.bytes_received,
         )
@@ -211,12 +240,17 @@ class ParityReplicator:
             raise
         return pid
 
-    def _blocks_nothing(self, why: str) -> None:
+    def _blocks_nothing(self, why: str, targets=None) -> None:
         g, me = self.group, self.me
-        out = [Outgoing(g.members[h], b"", _EMPTY) for s in g.data_stripes(me) for h in g.holders(s)]
-        inc = [
-            Incoming(g.members[j], _refuse(why)) for s, _ in g.parity_stripes(me) for j in g.data_members(s)
+        targets = set(g.members) if targets is None else targets
+        out = [
+            Outgoing(g.members[h], b"", _EMPTY)
+            for s in g.data_stripes(me)
+            for h in g.holders(s)
+            if g.members[h] in targets
         ]
+        mine = g.parity_stripes(me) if self.rank in targets else ()
+        inc = [Incoming(g.members[j], _refuse(why)) for s, _ in mine for j in g.data_members(s)]
         try:
             self.transport.exchange(out, inc)
         except ReplicationError as e:  # expected: our refusals come back as errors

@@ -40,10 +40,12 @@ def render_sessions(scan: StoreScan) -> None:
         return
     for s in scan.sessions:
         latest = s.newest_complete
+        occupied = "" if s.store_bytes is None else f"{human_bytes(s.store_bytes)} of memory: "
+        parity = f" (parity {human_bytes(s.parity_bytes)})" if s.parity_bytes else ""
         con.print(
-            f"\nsession [bold]{s.session}[/bold]: {human_bytes(s.data_bytes)} in checkpoints, "
-            f"{human_bytes(s.free_pool_bytes)} in reusable segments; newest iteration complete "
-            f"here: {'none' if latest is None else latest}"
+            f"\nsession [bold]{s.session}[/bold]: {occupied}{human_bytes(s.data_bytes)} in "
+            f"checkpoints{parity}, {human_bytes(s.free_pool_bytes)} in reusable segments; newest "
+            f"iteration complete here: {'none' if latest is None else latest}"
         )
         if s.iterations:
             t = Table(show_edge=False, pad_edge=False)

@@ -68,6 +68,10 @@ class SessionSummary:
     data_bytes: int
     free_pool_bytes: int
     problems: Tuple[Problem, ...] = ()
+    #: host memory the session occupies on this node (allocated blocks of all its files)
+    store_bytes: Optional[int] = None
+    #: of which parity files (redundancy="parity")
+    parity_bytes: int = 0
 
     @property
     def newest_complete(self) -> Optional[int]:
@@ -79,6 +83,8 @@ class SessionSummary:
             "session": self.session,
             "data_bytes": self.data_bytes,
             "free_pool_bytes": self.free_pool_bytes,
+            "store_bytes": self.store_bytes,
+            "parity_bytes": self.parity_bytes,
             "newest_complete": self.newest_complete,
             "iterations": [it.as_json() for it in self.iterations],
             "problems": [asdict(p) for p in self.problems],
@@ -157,7 +163,19 @@ def summarize_session(root: str | os.PathLike, session: str) -> SessionSummary:
             )
         )
     u = store.usage()
-    return SessionSummary(session, tuple(iterations), u["data_bytes"], u["free_pool_bytes"], tuple(problems))
+    parity = 0
+    for pid in store.list_parity():
+        with contextlib.suppress(OSError):
+            parity += store.data_path(pid).stat().st_size
+    return SessionSummary(
+        session,
+        tuple(iterations),
+        u["data_bytes"],
+        u["free_pool_bytes"],
+        tuple(problems),
+        store_bytes=u["store_bytes"],
+        parity_bytes=parity,
+    )
 
 
 def scan_store(root: str | os.PathLike, session: Optional[str] = None) -> StoreScan:
