@@ -342,7 +342,9 @@ def test_rank_killed_during_encoding_keeps_the_previous_iteration(tmp_root):
 def _save_replicas(ctx, keep_last):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
-    mgr = CheckpointManager("lean", store_root=ctx.store_root, ranks_per_node=1, keep_last=keep_last, timeout_s=30)
+    mgr = CheckpointManager(
+        "lean", store_root=ctx.store_root, ranks_per_node=1, keep_last=keep_last, timeout_s=30
+    )
     for it in (1, 2, 3, 4):
         mgr.save_local(_state(ctx.rank, it), it).wait()
     reported = mgr.last_save_metrics.store_bytes
@@ -362,7 +364,9 @@ def test_store_bytes_and_what_retention_keeps(tmp_root, keep_last):
         # keep_last=1 pools only the node's own segment (the next save's spare); replicas'
         # segments are released. keep_last=2 pools both.
         assert len(pool) == (1 if keep_last == 1 else 2)
-        on_disk = sum(p.stat().st_blocks * 512 for p in [*d.iterdir(), *(d / "free").iterdir()] if p.is_file())
+        on_disk = sum(
+            p.stat().st_blocks * 512 for p in [*d.iterdir(), *(d / "free").iterdir()] if p.is_file()
+        )
         own = max(p.stat().st_size for p in data)
         assert on_disk <= (2 * keep_last + len(pool)) * own + (64 << 10)
         # the save's figure: the same accounting, taken before the spare was reserved again
