@@ -339,11 +339,16 @@ def test_rank_killed_during_encoding_keeps_the_previous_iteration(tmp_root):
 # ---- memory: what the store occupies -------------------------------------------------------
 
 
-def _save_replicas(ctx, keep_last):
+def _save_replicas(ctx, keep_last, spare):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     mgr = CheckpointManager(
-        "lean", store_root=ctx.store_root, ranks_per_node=1, keep_last=keep_last, timeout_s=30
+        "lean",
+        store_root=ctx.store_root,
+        ranks_per_node=1,
+        keep_last=keep_last,
+        spare_segment=spare,
+        timeout_s=30,
     )
     for it in (1, 2, 3, 4):
         mgr.save_local(_state(ctx.rank, it), it).wait()
@@ -353,21 +358,21 @@ def _save_replicas(ctx, keep_last):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("keep_last", [1, 2])
-def test_store_bytes_and_what_retention_keeps(tmp_root, keep_last):
-    reported = run_ranks(_save_replicas, 2, tmp_root, ranks_per_node=1, args=(keep_last,), timeout=120)
+@pytest.mark.parametrize("keep_last, spare, pooled", [(1, None, 0), (1, True, 1), (2, None, 2)])
+def test_store_bytes_and_what_retention_keeps(tmp_root, keep_last, spare, pooled):
+    reported = run_ranks(_save_replicas, 2, tmp_root, ranks_per_node=1, args=(keep_last, spare), timeout=120)
     for node in range(2):
         d = Path(node_store_root(str(tmp_root), node), "lean")
         data = sorted(d.glob("iter_*.data"))
         pool = sorted((d / "free").glob("*.data"))
         assert len(data) == 2 * keep_last, "own + one replica per kept iteration"
-        # keep_last=1 pools only the node's own segment (the next save's spare); replicas'
-        # segments are released. keep_last=2 pools both.
-        assert len(pool) == (1 if keep_last == 1 else 2)
+        # keep_last=1: nothing pooled (the reference's footprint), or only the node's own segment
+        # as the next save's spare; keep_last=2 pools both retired segments
+        assert len(pool) == pooled
         on_disk = sum(
             p.stat().st_blocks * 512 for p in [*d.iterdir(), *(d / "free").iterdir()] if p.is_file()
         )
         own = max(p.stat().st_size for p in data)
-        assert on_disk <= (2 * keep_last + len(pool)) * own + (64 << 10)
-        # the save's figure: the same accounting, taken before the spare was reserved again
-        assert 2 * keep_last * own <= reported[node] <= on_disk + own
+        assert on_disk <= (2 * keep_last + pooled) * own + (64 << 10)
+        # the save's figure: the same accounting, taken before a spare was reserved again
+        assert 2 * keep_last * own <= reported[node] <= (2 * keep_last + pooled) * own + (64 << 10)

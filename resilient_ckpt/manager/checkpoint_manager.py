@@ -96,7 +96,13 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         replication_factor: copies of each rank's data (1 = no replication).
         replication_jump: rank distance between copies (default: ranks per node, from
             ``LOCAL_WORLD_SIZE``) so copies land on other nodes.
-        keep_last: complete iterations kept in memory.
+        keep_last: complete iterations kept in memory. ``keep_last=1`` is the least memory (the
+            retention nvidia-resiliency-ext has): only the newest complete iteration, retired
+            segments released instead of pooled, no spare segment (see ``spare_segment``).
+        spare_segment: keep the next save's segment allocated and populated between saves, so
+            the save copies at memory speed instead of into fresh pages (measured: 14 ms vs
+            72 ms per 162 MiB on 2 vCPUs) at the cost of one more copy of the rank's bytes in
+            the store. Default: on when ``keep_last > 1``, off with ``keep_last=1``.
         parallelization_group: group over which replicated shards are deduplicated on save
             and exchanged on load (default: the world).
         placement: ``"ring"`` (any world size) or ``"clique"`` (nvidia-resiliency-ext parity).
@@ -145,6 +151,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         keep_last: int = 2,
         parallelization_group: Optional[dist.ProcessGroup] = None,
         *,
+        spare_segment: Optional[bool] = None,
         replication: Optional[ReplicationOptions] = None,
         persistent: Optional[PersistentOptions] = None,
         service: Optional[ServiceOptions] = None,
@@ -175,6 +182,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             mode,
             store_root=store_root,
             keep_last=keep_last,
+            spare_segment=spare_segment,
             memory_budget=memory_budget,
             timeout_s=timeout_s,
             exchange_algo=exchange_algo,
@@ -185,6 +193,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.keep_last = opts.keep_last
+        self.spare_segment = opts.keep_last > 1 if opts.spare_segment is None else bool(opts.spare_segment)
         self.parallelization_group = parallelization_group
         self.timeout_s = opts.timeout_s
         self.exchange_algo = opts.exchange_algo

@@ -70,6 +70,8 @@ class ManagerOptions:
 
     store_root: str = DEFAULT_ROOT
     keep_last: int = 2
+    #: keep the next save's segment populated between saves (None: only when keep_last > 1)
+    spare_segment: Optional[bool] = None
     memory_budget: Optional[int] = None
     timeout_s: float = 120.0
     exchange_algo: str = "p2p"

@@ -279,7 +279,9 @@ class SavePath:
         return True
 
     def _start_copies(self, tensors, layouts, total: int, runs, iteration: int, staged: "_Staged") -> None:
-        staged.segment = self._prefetcher.take(total)
+        # Without a spare: a fresh segment, not populated here: the copy faults its pages in
+        # on the staging thread (one pass instead of populate + copy).
+        staged.segment = self._prefetcher.take(total, populate=self.spare_segment)
         self.store.claim(staged.segment, iteration, self.rank)
         staged.staging = self._stager.stage(tensors, staged.segment, layouts, runs)
         if staged.segment.pinned:  # GPU state: the next segments are page-locked ahead too
@@ -523,7 +525,8 @@ class SavePath:
             job.metrics.store_bytes = self.store.store_bytes()
         except OSError as e:
             logger.debug("store bytes not measured: %s", e)
-        self._prefetcher.prefetch(job.header.data_nbytes, plan)
+        if self.spare_segment:
+            self._prefetcher.prefetch(job.header.data_nbytes, plan)
         self.last_save_metrics = job.metrics
         logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())
 
@@ -557,15 +560,15 @@ class SavePath:
         if self._tier is not None:
             # A flush reading an older iteration from the store keeps it alive until done.
             threshold = min([threshold, *self._tier.pinned_iterations()])
-        # keep_last=1 asks for the least memory: only this node's own segments are pooled (each
-        # rank's next save reuses one, the spare); replicas and parity are released — the next
-        # ones land in fresh pages, on the save thread, off the training loop's path.
+        # keep_last=1 asks for the least memory: replicas and parity are released, not pooled
+        # (the next ones land in fresh pages, on the save thread, off the training loop's
+        # path); the node's own segments are pooled only to become a spare.
         lean = self.keep_last == 1
         p = self.placement
         for cid in self.store.list():
             if cid.iteration < threshold and self._is_ours(cid):
                 own = cid.owner < self.world_size and p.node_of(cid.owner) == p.node_of(self.rank)
-                self.store.discard(cid, recycle=not lean or own)
+                self.store.discard(cid, recycle=not lean or (own and self.spare_segment))
         for pid in self.store.list_parity():
             if pid.iteration < threshold and self._is_ours_parity(pid):
                 self.store.discard(pid, recycle=not lean)

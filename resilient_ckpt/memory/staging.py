@@ -218,8 +218,9 @@ class SegmentPrefetcher:
         except Exception as e:  # only an optimisation: staging makes them itself
             logger.debug("views for the next save not prepared: %s", e)
 
-    def take(self, nbytes: int) -> Segment:
-        """A reserved segment of exactly ``nbytes`` (reserved now if none is ready)."""
+    def take(self, nbytes: int, populate: bool = True) -> Segment:
+        """A reserved segment of exactly ``nbytes`` (reserved now if none is ready, its pages
+        populated up front only if ``populate``)."""
         pending = self._pending
         if pending is not None:
             try:
@@ -232,7 +233,7 @@ class SegmentPrefetcher:
             return seg
         if seg is not None:
             self.store.release(seg)
-        seg = self.store.reserve(nbytes)
+        seg = self.store.reserve(nbytes, populate=populate)
         if self.pin:
             seg.pin()
         return seg

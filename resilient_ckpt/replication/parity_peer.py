@@ -30,7 +30,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import msgpack
 import torch
 
-from ..errors import CorruptCheckpointError, ReplicationError, StoreError
+from ..errors import CheckpointingException, CorruptCheckpointError, ReplicationError, StoreError
 from ..memory import checksum
 from ..memory.store import (
     FORMAT_VERSION,
@@ -151,16 +151,16 @@ class ParityReplicator:
                 [Outgoing(r, raw, _EMPTY) for r in send_to],
                 [Incoming(r, expect(r)) for r in hear_from],
             )
-        except ReplicationError as e:  # still take part in the block exchange (peers wait for it)
-            failure, s1 = e, None
+            if coding:
+                size = block_nbytes([sizes[r] for r in g.members], g.k)
+            else:  # healing: this member's own parity file records the group's block size
+                pid = ParityId(header.iteration, self.rank, self.store.session)
+                size = int(self.store.read_parity_header(pid)["block_nbytes"])
+        except (CheckpointingException, OSError, KeyError, TypeError) as e:
+            failure = e  # still take part in the block exchange (peers wait for it)
         if failure is not None:
             self._blocks_nothing(f"rank {self.rank}: {failure}", targets)
             raise failure
-        if coding:
-            size = block_nbytes([sizes[r] for r in g.members], g.k)
-        else:  # healing: this member's own parity file records the group's block size
-            pid = ParityId(header.iteration, self.rank, self.store.session)
-            size = int(self.store.read_parity_header(pid)["block_nbytes"])
         # 2. blocks: to the parity holders of each of my stripes; theirs to me for mine
         outgoing = []
         for b, s in enumerate(g.data_stripes(me)):
@@ -377,7 +377,7 @@ class _Sources:
     def _map(self, path, nbytes: int) -> torch.Tensor:
         if not nbytes:
             return _EMPTY
-        m, buf = map_readonly(path, nbytes)
+        m, buf = map_readonly(path, nbytes, populate=True)  # one kernel pass, not a fault per page
         self._maps.append(m)
         return buf
 
@@ -438,9 +438,9 @@ def _run(store, transport, plans: List[Rebuild], iteration: int, data_at, parity
                     raise ReplicationError("rebuilding from parity needs the checkpoint group")
                 received += transport.exchange(outgoing, incoming).bytes_received
             del outgoing
-            for state in states.values():
-                if t < len(state.plan.stripes):
-                    bad += state.decode(t)
+            for st in states.values():
+                if t < len(st.plan.stripes):
+                    bad += st.decode(t, st.take())
         wrong = [r for r, st in states.items() if not bad and not st.verified()]
         rebuilt = [r for r, st in states.items() if not bad and not wrong and st.publish()]
         if bad or wrong:
@@ -469,7 +469,7 @@ def _step(t: int, plans: List[Rebuild], sources: _Sources, states, data_at, pari
             if src == me and p.rank != me:
                 outgoing.append(_serve(sources, sh, p.group, p.rank, with_header, size))
             elif p.rank == me and src != me:
-                incoming.append(Incoming(src, states[me].landing(sh)))
+                incoming.append(Incoming(src, states[me].landing(sh, t)))
             elif p.rank == me:  # a share in this rank's own store
                 states[me].local(sh, _serve(sources, sh, p.group, me, with_header, size))
     return outgoing, incoming
@@ -487,25 +487,38 @@ class _Target:
         self.g = plan.group
         self.size = size
         self.got: Dict[int, Tuple[bytes, torch.Tensor]] = {}
+        #: receive buffers per share slot, reused by every step (fresh pages cost several
+        #: times a copy: fault them once, not once per stripe)
+        self.scratch: Dict[int, torch.Tensor] = {}
         self.header_raw: Optional[bytes] = None
         self.header: Optional[CheckpointHeader] = None
         self.segment: Optional[Segment] = None
 
-    def landing(self, share: Share):
+    def landing(self, share: Share, t: int):
+        key = len(self.got)
+        got = self.got
+        got[share.number] = (b"", _EMPTY)  # until it lands
+
         def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            self.got[share.number] = (hdr, buf)
+            buf = self.scratch.get(key)
+            if buf is None or buf.numel() != nbytes:
+                buf = self.scratch[key] = torch.empty(nbytes, dtype=torch.uint8)
+            got[share.number] = (hdr, buf)
             return buf
 
         return allocate
 
+    def take(self) -> Dict[int, Tuple[bytes, torch.Tensor]]:
+        """This step's shares (received and local), handed to its decode."""
+        got, self.got = self.got, {}
+        return got
+
     def local(self, share: Share, out: Outgoing) -> None:
         self.got[share.number] = (out.header, out.payload)
 
-    def decode(self, t: int) -> List[List[int]]:
-        """Decode step ``t``'s block; returns the shares that failed verification."""
+    def decode(self, t: int, got: Dict[int, Tuple[bytes, torch.Tensor]]) -> List[List[int]]:
+        """Decode step ``t``'s block from its shares; returns those that failed verification."""
         s, shares = self.plan.stripes[t]
-        got, self.got = self.got, {}
         first, size = self.g.members[0], self.size
         digests: Dict[int, int] = {}
         for sh in shares:
@@ -532,8 +545,8 @@ class _Target:
         if self.header is None:  # the share that carries it failed: count it as bad
             return [[first, s, next(sh.number for sh in shares if sh.parity)]]
         h = self.header
-        if self.segment is None:
-            self.segment = self.store.allocate(self.iteration, h.owner, h.data_nbytes)
+        if self.segment is None:  # not populated: decoding writes every page once
+            self.segment = self.store.allocate(self.iteration, h.owner, h.data_nbytes, populate=False)
         b = self.g.data_stripes(self.plan.member).index(s)
         lo, hi = b * size, min((b + 1) * size, h.data_nbytes)
         if hi > lo:
