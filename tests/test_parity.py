@@ -1,7 +1,9 @@
 """Parity redundancy (``redundancy="parity"``): the grouping and striping, the codes, and real
 multi-process saves and restores that lose nodes (separate store roots, gloo on loopback)."""
 
+import itertools
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -87,8 +89,9 @@ def test_codes_decode_any_lost_data_share_from_any_k_shares(k, m, words, data):
 def test_bad_options_are_refused_with_the_fix():
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
-    with pytest.raises(ValidationError, match="two redundancy schemes"):
-        CheckpointManager("p", store_root="/tmp/unused", redundancy="parity", replication_factor=3)
+    for factor in (2, 3):  # also the default's value, given explicitly
+        with pytest.raises(ValidationError, match="two redundancy schemes"):
+            CheckpointManager("p", store_root="/tmp/unused", redundancy="parity", replication_factor=factor)
     with pytest.raises(ValidationError, match="embedded-mode only"):
         CheckpointManager("p", redundancy="parity", endpoint="tcp://127.0.0.1:1")
     with pytest.raises(ValidationError, match="parity_group must be a positive integer"):
@@ -267,7 +270,7 @@ def rs_saved(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("lost", [(0, 1), (0, 3), (1, 2), (2, 3)])
+@pytest.mark.parametrize("lost", list(itertools.combinations(range(4), 2)))
 def test_rs_any_two_lost_nodes_are_rebuilt_bit_exactly(rs_saved, tmp_path, lost):
     root = _copy(rs_saved, tmp_path / "run")
     _lose(root, *lost)
@@ -295,6 +298,15 @@ def test_rs_routes_around_a_corrupt_share(rs_saved, tmp_path, caplog):
 
 
 @pytest.mark.multiprocess
+def test_rs_six_nodes_lose_two_of_one_group(tmp_root):
+    # 6 nodes, k=2, m=2: two groups of 3 (a leftover of 2 cannot hold m=2), here (0, 1, 2)
+    run_ranks(_save, 6, tmp_root, ranks_per_node=1, args=(2, 2, [3]), timeout=150)
+    _lose(tmp_root, 0, 2)
+    out = run_ranks(_load, 6, tmp_root, ranks_per_node=1, args=(2, 2), timeout=150)
+    assert out == [(3, True)] * 6
+
+
+@pytest.mark.multiprocess
 def test_world_not_divisible_by_the_group_size(tmp_root):
     # 7 nodes, k=4: a group of 5 and a mirror pair (5, 6); one node lost in each
     run_ranks(_save, 7, tmp_root, ranks_per_node=1, args=(4, 1, [4]), timeout=150)
@@ -312,9 +324,9 @@ def test_two_ranks_per_node(tmp_root):
     assert out == [(7, True)] * 6
 
 
-def _save_then_die(ctx):
-    def hook(point):
-        if ctx.rank == 1 and point == "before_replication" and hook.armed:
+def _save_then_die(ctx, point):
+    def hook(at):
+        if ctx.rank == 1 and at == point and hook.armed:
             ctx.kill_self()
 
     hook.armed = False
@@ -329,8 +341,13 @@ def _save_then_die(ctx):
 
 
 @pytest.mark.multiprocess
-def test_rank_killed_during_encoding_keeps_the_previous_iteration(tmp_root):
-    out = run_ranks(_save_then_die, 3, tmp_root, ranks_per_node=1, expect_killed=[1], timeout=120)
+@pytest.mark.parametrize("point", ["before_replication", "parity_after_headers"])
+def test_rank_killed_during_encoding_keeps_the_previous_iteration(tmp_root, point):
+    t0 = time.monotonic()
+    out = run_ranks(
+        _save_then_die, 3, tmp_root, ranks_per_node=1, args=(point,), expect_killed=[1], timeout=120
+    )
+    assert time.monotonic() - t0 < 3 * 30, "the survivors fail within a small multiple of timeout_s"
     assert out[1] is KILLED and out[0] == out[2] != "saved"
     out = run_ranks(_load, 3, tmp_root, ranks_per_node=1, args=(2, 1), timeout=120)
     assert out == [(1, True)] * 3

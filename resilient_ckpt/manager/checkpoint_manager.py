@@ -93,7 +93,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             warning: a restart on another port would not find it). Validated: letters, digits
             and ``._+=@:-``.
         store_root: tmpfs directory of this node's store.
-        replication_factor: copies of each rank's data (1 = no replication).
+        replication_factor: copies of each rank's data (1 = no replication; default 2).
         replication_jump: rank distance between copies (default: ranks per node, from
             ``LOCAL_WORLD_SIZE``) so copies land on other nodes.
         keep_last: complete iterations kept in memory. ``keep_last=1`` is the least memory (the
@@ -146,7 +146,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         self,
         session_id: Optional[str] = None,
         store_root: str = DEFAULT_ROOT,
-        replication_factor: int = 2,
+        replication_factor: Optional[int] = None,
         replication_jump: Optional[int] = None,
         keep_last: int = 2,
         parallelization_group: Optional[dist.ProcessGroup] = None,
@@ -173,7 +173,12 @@ class CheckpointManager(SavePath, LoadPath, Healing):
         endpoint: Optional[str] = None,
         allow_pickle: bool = False,
     ):
-        flat = {k: v for k, v in locals().items() if k in FLAT}
+        if redundancy == "parity" and replication_factor is not None:
+            raise ValidationError(
+                f"replication_factor={replication_factor} and redundancy='parity' are two redundancy "
+                "schemes; pass one: parity_group/parity_shares for parity, or redundancy='replicas'"
+            )
+        flat = {k: v for k, v in locals().items() if k in FLAT and v is not None}
         self.options = opts = resolve(
             flat,
             replication,
@@ -341,7 +346,7 @@ class CheckpointManager(SavePath, LoadPath, Healing):
             self._transport = P2PTransport(self._group, timeout=self.timeout_s)
             if self._replicator is None and self.parity_groups:
                 self._replicator = ParityReplicator(
-                    self._transport, self.parity_groups, self.store, self.rank
+                    self._transport, self.parity_groups, self.store, self.rank, fault=self._fault
                 )
             elif self._replicator is None:
                 self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)

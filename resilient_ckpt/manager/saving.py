@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 MAX_ITERATION = (1 << 63) - 1
 
-#: Points where tests (and chaos drills) can inject a fault: ``fault_hook(point)``.
+#: Points where tests (and chaos drills) can inject a fault: ``fault_hook(point)``. With
+#: ``redundancy="parity"`` the hook is also called at ``"parity_after_headers"`` (between the
+#: parity group's header and block exchanges).
 FAULT_POINTS = (
     "after_staging",
     "after_publish",

@@ -160,7 +160,7 @@ class CheckpointHeader:
         return raw
 
     def _pack(self) -> bytes:
-        body = msgpack.packb(
+        return pack_envelope(
             {
                 "magic": MAGIC,
                 "format_version": self.format_version,
@@ -175,10 +175,8 @@ class CheckpointHeader:
                 "checksum_algo": self.checksum_algo,
                 "created_ns": self.created_ns or time.time_ns(),
                 "writer": self.writer or writer_name(),
-            },
-            use_bin_type=True,
+            }
         )
-        return msgpack.packb([body, checksum.digest(body)], use_bin_type=True)
 
     @classmethod
     def unpack(cls, raw: bytes, source: str = "header") -> "CheckpointHeader":

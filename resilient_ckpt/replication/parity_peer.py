@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import msgpack
 import torch
@@ -85,7 +85,12 @@ class ParityReplicator:
     """The :class:`~.replicator.Replicator` of ``redundancy="parity"`` (embedded mode)."""
 
     def __init__(
-        self, transport: P2PTransport, groups: Sequence[ParityGroup], store: CheckpointStore, rank: int
+        self,
+        transport: P2PTransport,
+        groups: Sequence[ParityGroup],
+        store: CheckpointStore,
+        rank: int,
+        fault: Optional[Callable[[str], None]] = None,
     ):
         self.transport = transport
         self.groups = tuple(groups)
@@ -94,6 +99,8 @@ class ParityReplicator:
         self.rank = rank
         self.me = self.group.index(rank)
         self.last_encode = EncodeStats()
+        #: the manager's fault hook (tests, chaos drills): "parity_after_headers"
+        self.fault = fault or (lambda point: None)
 
     @property
     def _others(self) -> List[int]:
@@ -161,6 +168,7 @@ class ParityReplicator:
         if failure is not None:
             self._blocks_nothing(f"rank {self.rank}: {failure}", targets)
             raise failure
+        self.fault("parity_after_headers")
         # 2. blocks: to the parity holders of each of my stripes; theirs to me for mine
         outgoing = []
         for b, s in enumerate(g.data_stripes(me)):
