@@ -12,18 +12,20 @@ from resilient_ckpt.demo import orchestrator
 STEPS, INTERVAL = 24, 6  # saves after steps 5, 11, 17; the failure comes after step 19
 
 
-def _demo(tmp_path, failure: str, mode: str = "embedded") -> dict:
+def _demo(tmp_path, failure: str, mode: str = "embedded", extra=()) -> dict:
     out = tmp_path / "result.json"
     # one flag and its value per line
     # fmt: off
     rc = orchestrator.main([
         "--steps", str(STEPS), "--interval", str(INTERVAL), "--failure", failure, "--mode", mode,
         "--json", str(out), "--plot", str(tmp_path / "loss.png"), "--workdir", str(tmp_path / "nodes"),
+        *extra,
     ])
     # fmt: on
     result = json.loads(out.read_text())
     assert rc == 0, result
-    assert (tmp_path / "loss.png").stat().st_size > 0
+    if not result.get("resized"):
+        assert (tmp_path / "loss.png").stat().st_size > 0
     assert list((tmp_path / "nodes").iterdir()) == [], "the demo removes its node stores"
     return result
 
@@ -74,3 +76,14 @@ def test_demo_in_service_mode_recovers_a_lost_node_through_its_replacement_daemo
 def test_demo_rejects_a_failure_step_outside_the_run():
     with pytest.raises(SystemExit, match=r"--fail-step must be in \[0, 22\]"):
         orchestrator.main(["--steps", "24", "--fail-step", "23"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("extra, after", [(["--no-replacement"], 2), (["--restart-nodes", "3"], 6)])
+def test_demo_without_a_replacement_node_or_grown_resumes_resharded_from_memory(tmp_path, extra, after):
+    result = _demo(tmp_path, "node", extra=extra)
+    assert (result["world_before"], result["world_after"]) == (4, after)
+    # the restarted job and an uninterrupted job of the new size from the same checkpoint agree
+    assert result["bit_exact_losses"] is True and result["bit_exact_params"] is True
+    assert result["resumed_from_step"] - 1 in (5, 11, 17)
+    assert [r["source"] for r in result["restores"]] == ["resharded"] * after

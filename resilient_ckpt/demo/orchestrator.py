@@ -12,6 +12,14 @@ Runs on one machine: N simulated nodes × R ranks per node, each node with its o
 
 Then the loss curves and final parameters of (2)+(3) are compared with (1), bit for bit, a
 timeline is printed and both curves are plotted to a PNG.
+
+``--no-replacement`` (or ``--restart-nodes K``): the job comes back on another number of nodes
+— one fewer, or more (a grow) — and resumes straight from the survivors' memory, resharded.
+An uninterrupted run cannot be compared across world sizes (each rank's batches and the
+gradient average change with the world), so the restart is compared with (1') a second,
+uninterrupted job of the new size started from the same checkpoint (a copy of the surviving
+stores taken right after the failure): their losses after the checkpoint and final
+parameters must be identical bit for bit.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class Demo:
     def __init__(self, args):
         self.args = args
         self.world = args.nodes * args.ranks_per_node
+        self.restart_nodes = args.restart_nodes or (args.nodes - 1 if args.no_replacement else args.nodes)
         # Always a fresh directory of our own, also inside --workdir: it is removed at the end.
         parent = args.workdir or _shm_or_tmp()
         os.makedirs(parent, exist_ok=True)
@@ -82,21 +91,32 @@ class Demo:
 
     # ---- launching -------------------------------------------------------------------------------
 
-    def launch(self, run: str, name: str, pause_at: int = -1, victims=()) -> Launch:
+    def launch(
+        self,
+        run: str,
+        name: str,
+        pause_at: int = -1,
+        victims=(),
+        nodes: Optional[int] = None,
+        session: Optional[str] = None,
+    ) -> Launch:
         """Start every rank as a real process, forked from a server that imported torch once
-        (starting 4 fresh interpreters costs ~12 s of imports on 2 cores)."""
+        (starting 4 fresh interpreters costs ~12 s of imports on 2 cores). ``nodes``: the
+        launch's node count (default ``--nodes``)."""
         ctx = _mp_context()
         port = _free_port()
         launch = Launch(name, started=time.time())
         events = ctx.Queue()
         launch.controls = []
-        for rank in range(self.world):
+        nodes = nodes or self.args.nodes
+        world = nodes * self.args.ranks_per_node
+        for rank in range(world):
             node = rank // self.args.ranks_per_node
             env = dict(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
                 RANK=str(rank),
-                WORLD_SIZE=str(self.world),
+                WORLD_SIZE=str(world),
                 LOCAL_RANK=str(rank % self.args.ranks_per_node),
                 LOCAL_WORLD_SIZE=str(self.args.ranks_per_node),
                 GLOO_SOCKET_IFNAME="lo",
@@ -108,10 +128,12 @@ class Demo:
                 "--steps", str(self.args.steps),
                 "--interval", str(self.args.interval),
                 "--seed", str(self.args.seed),
-                "--session", f"demo-{run}",
+                "--session", session or f"demo-{run}",
                 "--store-root", str(self.node_root(run, node)),
                 "--mode", self.args.mode,
                 "--timeout", "20",
+                # one surviving node keeps no replica (copies must be on other nodes)
+                "--replication-factor", str(min(2, nodes)),
             ]
             # fmt: on
             if self.args.mode == "service":
@@ -169,6 +191,8 @@ class Demo:
     def _run(self) -> int:
         a = self.args
         victims = self.victim_ranks()
+        if self.restart_nodes != a.nodes:
+            return self._run_resized(victims)
         self.log(
             f"demo: {a.nodes} nodes × {a.ranks_per_node} ranks, {a.steps} steps, save every "
             f"{a.interval}, failure: {a.failure} at step {a.fail_step} (ranks {victims}), mode {a.mode}"
@@ -198,6 +222,68 @@ class Demo:
         return self.report(
             ref, ref_losses, run1, run2, combined, last_step, resumed, t_fail, t_restart, restore_s
         )
+
+    def _run_resized(self, victims: List[int]) -> int:
+        """The job comes back on ``restart_nodes`` nodes: restart (resharded from memory) vs an
+        uninterrupted job of that size from the same checkpoint."""
+        a = self.args
+        m = self.restart_nodes * a.ranks_per_node
+        self.log(
+            f"demo: {a.nodes} nodes × {a.ranks_per_node} ranks, {a.steps} steps, save every {a.interval}, "
+            f"failure: {a.failure} at step {a.fail_step} (ranks {victims}); the job comes back on "
+            f"{self.restart_nodes} node(s) × {a.ranks_per_node} = {m} ranks, no replacement"
+        )
+        run1, t_fail = self._faulty_run(victims)
+        last_step = max(_losses(run1.events))
+        # the same checkpoint, for the comparison job: a copy of every surviving store now
+        shutil.copytree(self.base / "faulty", self.base / "same-checkpoint")
+        self.log(f"restarting on {m} ranks: restore resharded from the survivors' memory ...")
+        t_restart = time.time()
+        run2 = self.launch("faulty", "restart", nodes=self.restart_nodes)
+        self.finish(run2)
+        restored = self._check_restores(run2, t_restart, m)
+        self.log(f"comparison: an uninterrupted {m}-rank job from the same checkpoint ...")
+        ref = self.launch("same-checkpoint", "comparison", nodes=self.restart_nodes, session="demo-faulty")
+        self.finish(ref)
+        resumed = _resumed_step(restored)
+        after = lambda evs: {s: v for s, v in _losses(evs).items() if s >= resumed}  # noqa: E731
+        run_losses, ref_losses = after(run2.events), after(ref.events)
+        run_done = {e["rank"]: e["digest"] for e in run2.events if e["event"] == "done"}
+        ref_done = {e["rank"]: e["digest"] for e in ref.events if e["event"] == "done"}
+        same_losses = run_losses == ref_losses and len(run_losses) == a.steps - resumed
+        same_params = run_done == ref_done and len(run_done) == m
+        restore_s = max(e["seconds"] for e in restored)
+        print()
+        print("=" * 78)
+        print(f" {self.world} ranks on {a.nodes} nodes; failure after step {last_step}; the job came back on")
+        print(f" {m} ranks ({self.restart_nodes} node(s)) and restored step {resumed - 1} from memory,")
+        print(f" resharded, in {restore_s:.2f}s (slowest rank)")
+        print(f" compared with an uninterrupted {m}-rank job started from the same checkpoint (a copy")
+        print(" of the surviving stores), steps after the checkpoint:")
+        print(f"   loss curve identical:         {'YES (bit-exact)' if same_losses else 'NO'}")
+        print(
+            f"   final parameters identical:   {'YES (bit-exact, sha256 per rank)' if same_params else 'NO'}"
+        )
+        print("=" * 78)
+        if a.json:
+            result = {
+                "resized": True,
+                "world_before": self.world,
+                "world_after": m,
+                "failure_step": last_step,
+                "resumed_from_step": resumed,
+                "restore_seconds": restore_s,
+                "bit_exact_losses": same_losses,
+                "bit_exact_params": same_params,
+                "restores": [
+                    {k: e[k] for k in ("rank", "iteration", "source", "seconds")}
+                    for e in sorted(restored, key=lambda e: e["rank"])
+                ],
+                "timeline": self.timeline,
+            }
+            Path(a.json).write_text(json.dumps(result, indent=2))
+        print(f"total demo time: {time.time() - self.t0:.1f}s")
+        return 0 if (same_losses and same_params) else 1
 
     def _reference_run(self) -> Launch:
         self.log("reference run (uninterrupted, same seed) ...")
@@ -247,20 +333,23 @@ class Demo:
         self.finish(run2)
         return run2, t_restart
 
-    def _check_restores(self, run2: Launch, t_restart: float) -> List[dict]:
+    def _check_restores(self, run2: Launch, t_restart: float, world: Optional[int] = None) -> List[dict]:
         """The restart's ``restored`` events; every rank must have restored."""
+        world = world or self.world
         restored = [e for e in run2.events if e["event"] == "restored"]
         fresh = [e for e in run2.events if e["event"] == "fresh_start"]
-        if fresh or len(restored) != self.world:
+        if fresh or len(restored) != world:
             raise SystemExit(f"restart did not restore every rank: {fresh or restored}")
         ready = [e["t"] for e in run2.events if e["event"] == "ready"]
         if ready:
-            self.log(f"all {self.world} ranks up {max(ready) - t_restart:.2f}s after the restart began")
+            self.log(f"all {world} ranks up {max(ready) - t_restart:.2f}s after the restart began")
         for e in sorted(restored, key=lambda e: e["rank"]):
-            self.log(
-                f"rank {e['rank']} restored iteration {e['iteration']} from {e['source']} "
-                f"(served by rank {e['source_rank']}) in {e['seconds']:.2f}s"
+            served = (
+                "resharded from the survivors' stores"
+                if e["source"] == "resharded"
+                else f"from {e['source']} (served by rank {e['source_rank']})"
             )
+            self.log(f"rank {e['rank']} restored iteration {e['iteration']} {served} in {e['seconds']:.2f}s")
         return restored
 
     def victim_ranks(self) -> List[int]:
@@ -455,6 +544,17 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
         help="where node stores live: a fresh directory is made inside (default /dev/shm)",
     )
     p.add_argument("--keep", action="store_true", help="keep the node stores after the demo")
+    p.add_argument(
+        "--no-replacement",
+        action="store_true",
+        help="the failed node does not come back: the job resumes on one node fewer, resharded from memory",
+    )
+    p.add_argument(
+        "--restart-nodes",
+        type=int,
+        default=None,
+        help="nodes the job comes back on (more than --nodes: a grow), resharded from memory",
+    )
     return p
 
 
@@ -475,6 +575,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"--mode service is not available: {missing}; run the demo in --mode embedded")
     if args.nodes < 2 and args.failure == "node":
         raise SystemExit("a node failure needs at least 2 nodes (copies live on other nodes)")
+    resized = args.no_replacement or (args.restart_nodes not in (None, args.nodes))
+    if resized and args.mode != "embedded":
+        raise SystemExit("--no-replacement / --restart-nodes need --mode embedded")
+    if resized and (args.restart_nodes or args.nodes - 1) < 1:
+        raise SystemExit("the job must come back on at least one node")
     if not 0 <= args.fail_step < args.steps - 1:
         raise SystemExit(f"--fail-step must be in [0, {args.steps - 2}]")
     return Demo(args).run()

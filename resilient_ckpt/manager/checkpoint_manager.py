@@ -47,6 +47,7 @@ from ..replication.placement import Placement, clique_placement, ring_placement
 from ..replication.replicator import Replicator
 from ..replication.transport import P2PTransport, new_checkpoint_group
 from .async_request import LocalAsyncRequest, SaveDoneSignal, request_for
+from .elastic import ElasticLoad
 from .healing import Healing
 from .loading import LoadPath
 from .metrics import HealMetrics, LoadMetrics, SaveHandle, SaveMetrics
@@ -78,7 +79,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class CheckpointManager(SavePath, LoadPath, Healing):
+class CheckpointManager(SavePath, LoadPath, ElasticLoad, Healing):
     """In-memory local checkpoints with peer replication (embedded mode).
 
     Options come as groups — ``replication=ReplicationOptions(...)``,

@@ -177,7 +177,11 @@ class CheckpointHook:
         """
         session = self.manager.session_id
         try:
-            result = self.manager.load_local(template)
+            result = self.manager.load_local(
+                template,
+                # a checkpoint of another world size is resharded into this job's layout
+                elastic_template=self.state.restore_template if self.state is not None else None,
+            )
         except CheckpointingException as e:
             if self.fallback_loader is None:
                 raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -54,9 +54,13 @@ class LoadPath:
         """Newest iteration whose every rank's data is held somewhere (collective); -1 if none."""
         self.wait_for_saves()
         holdings = self._holdings()
-        self._raise_if_only_foreign(holdings)
         complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         self.latest_iteration = complete[0] if complete else -1
+        elastic = self._elastic_choice(self.latest_iteration)
+        if elastic is not None:  # another world size's, newer: load_local reshards it
+            self.latest_iteration = elastic.iteration
+        else:
+            self._raise_if_only_foreign(holdings)
         if self.latest_iteration < self._last_saved:
             # What this job saved above it is not restorable any more (copies lost, a save
             # that failed): the job resumes from older state (or the persistent tier) and may
@@ -65,6 +69,14 @@ class LoadPath:
             self._last_saved = self.latest_iteration
             self._started = self._restored = False
         return self.latest_iteration
+
+    def _elastic_if_newer(self, failure: Optional[BaseException]):
+        """Collective: the iteration of another world size to restore (resharded), when it is
+        newer than every complete one of this world size; else None."""
+        self.wait_for_saves()
+        holdings = self._holdings(failure)
+        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
+        return self._elastic_choice(complete[0] if complete else -1)
 
     def _raise_if_only_foreign(self, holdings: Holdings) -> None:
         complete = holdings.complete_iterations(self.world_size, self.parity_groups)
@@ -81,6 +93,8 @@ class LoadPath:
         template: Optional[Any] = None,
         *,
         strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+        reshard_objects: Optional[Callable[[str, List[Any], int], List[Any]]] = None,
+        elastic_template: Optional[Callable[[], Any]] = None,
     ) -> Optional[Tuple[Any, int]]:
         """Restore the newest complete iteration (collective). Returns ``(state_dict,
         iteration)``, or None when no complete local checkpoint exists on this job's ranks.
@@ -92,6 +106,13 @@ class LoadPath:
         With ``persistent_dir``, every rank together takes the persistent tier's newest
         checkpoint instead when memory holds no complete iteration or an older one
         (``last_load_metrics.source == "persistent"``).
+
+        **Another world size or layout**: when the newest iteration the survivors' stores hold
+        completely was saved by a different number of ranks, the template (laid out for this
+        job) is filled from the saved shards' intersections with it, by global offsets
+        (``last_load_metrics.source == "resharded"``; see ``manager.elastic`` for per-rank
+        objects and ``reshard_objects``). Without a template, ``elastic_template()`` is called
+        for one then (``CheckpointHook`` passes its TrainState's).
         """
         t0 = time.perf_counter()
         # Local steps that may fail on one rank only travel with the next collective, so every
@@ -105,6 +126,14 @@ class LoadPath:
             targets = template_targets(template) if template is not None else {}
         except Exception as e:
             local, targets = e, {}
+        elastic = self._elastic_if_newer(local)
+        if elastic is not None:
+            if template is None and elastic_template is not None and local is None:
+                try:
+                    template = prepare_template(elastic_template())
+                except Exception as e:  # travels with the next collective: every rank stops
+                    local = e
+            return self._load_elastic(template, elastic, local, t0, reshard_objects)
         tier = self._persistent_tier()
         holdings = None
         if tier is not None:

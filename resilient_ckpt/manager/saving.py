@@ -58,7 +58,8 @@ MAX_ITERATION = (1 << 63) - 1
 
 #: Points where tests (and chaos drills) can inject a fault: ``fault_hook(point)``. With
 #: ``redundancy="parity"`` the hook is also called at ``"parity_after_headers"`` (between the
-#: parity group's header and block exchanges).
+#: parity group's header and block exchanges), and a resharded restore at
+#: ``"reshard_before_exchange"``.
 FAULT_POINTS = (
     "after_staging",
     "after_publish",
@@ -574,6 +575,21 @@ class SavePath:
         for pid in self.store.list_parity():
             if pid.iteration < threshold and self._is_ours_parity(pid):
                 self.store.discard(pid, recycle=not lean)
+        if getattr(self, "_elastic_from", None) is not None:
+            self._retire_resharded(threshold)
+
+    def _retire_resharded(self, threshold: int) -> None:
+        """After a resharded restore, the saving job's world-size checkpoints are this job's
+        past: retired like its own once a newer iteration is complete."""
+        wide = self._any_world_store()
+        for cid in wide.list():
+            if cid.iteration >= threshold:
+                continue
+            try:
+                if wide.read_header(cid).world_size == self._elastic_from:
+                    self.store.discard(cid, recycle=False)
+            except (StoreError, OSError) as e:
+                logger.debug("not retiring %s: %s", cid.stem(), e)
 
     def _is_ours_parity(self, pid: ParityId) -> bool:
         try:

@@ -807,7 +807,7 @@ class CheckpointStore:
             if m and m.group(3) == "hdr":
                 if _regular(p):
                     out.append(self._id(int(m.group(1)), int(m.group(2))))
-                else:
+                elif os.path.lexists(p):  # else retired meanwhile (another rank of the node)
                     _ignore(p, "a checkpoint name on something that is not a regular file")
             elif not (
                 p.name in ("free", ".lock")

@@ -152,6 +152,15 @@ class TrainState:
         out["per_rank"] = ShardedObject("per_rank", per_rank, (world,), (rank,))
         return out
 
+    def restore_template(self) -> Dict[str, Any]:
+        """The sharded state dict to restore into, laid out for this job (a resharded restore
+        needs one). An optimizer that has not stepped yet has no state tensors to fill: they
+        are created first by one step with zero gradients at learning rate 0 (parameters and
+        hyper-parameters unchanged; the restore overwrites the state)."""
+        if self.optimizer is not None and not self.optimizer.state:
+            _init_optimizer_state(self.optimizer)
+        return self.sharded_state_dict()
+
     def _optimizer_sharded(self, dp_rank: int) -> Dict[str, Any]:
         sd = self.optimizer.state_dict()
         names = self._optimizer_param_names()
@@ -223,6 +232,24 @@ class TrainState:
             g["params"] = [index[n] for n in g["params"]]
             groups.append(g)
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    grads = {}
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0 if not isinstance(g.get("lr"), torch.Tensor) else torch.zeros_like(g["lr"])
+        for p in g["params"]:
+            if p.requires_grad and p.grad is None:
+                grads[p] = None
+                p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p in grads:
+            p.grad = None
 
 
 def _like_param(v: Any, param: torch.Tensor) -> Any:

@@ -1,0 +1,447 @@
+"""Elastic restore (a mixin of ``CheckpointManager``): resume on another world size or
+parallel layout straight from the survivors' memory.
+
+When the newest iteration the node stores hold completely was saved by N ranks and this job
+has M != N, ``load_local(template)`` assembles every template shard from the intersections of
+the saved shards with it, by global offsets (``parallel.resharding``): from this node's store
+when it holds the saved rank's data, else from the least-loaded rank whose store does,
+several sources at once over the checkpoint data group. Collective; every decision comes
+from gathered facts, so every rank raises the same error or restores together.
+
+Per-rank objects (a ShardedObject of global shape ``(N,)``: RNG states, dataloader positions)
+cannot be resharded by offsets. Policy: new rank m takes saved rank m's object when m < N
+and keeps its template's value otherwise (a rank that did not exist has no saved state of
+its own); ``load_local(..., reshard_objects=f)`` replaces this with ``f(key, saved_values,
+new_world_size) -> new_values``. Objects of any other global shape must match by offset.
+Common state (iteration counters, scheduler and optimizer hyper-parameters) carries over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ..errors import CheckpointingException, CorruptCheckpointError, ValidationError
+from ..memory import checksum
+from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, map_readonly
+from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge
+from ..parallel import collectives
+from ..parallel.exchange import dtype_name
+from ..parallel.resharding import (
+    Piece,
+    SavedShard,
+    WantedShard,
+    box_of,
+    local_slices,
+    plan_reshard,
+)
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict, PreparedTemplate
+from ..replication.transport import Incoming, Outgoing
+from .metrics import LoadMetrics
+
+logger = logging.getLogger(__name__)
+
+ObjectResharder = Callable[[str, List[Any], int], List[Any]]
+
+
+@dataclass(frozen=True)
+class ElasticChoice:
+    """The newest iteration held completely that was saved by another world size."""
+
+    iteration: int
+    world_size: int  # N, the saving job's
+    holders: Mapping[int, Tuple[int, ...]]  # owner -> ranks (this job's) whose store holds it
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+class ElasticLoad:
+    """Mixed into ``CheckpointManager``."""
+
+    def _any_world_store(self) -> CheckpointStore:
+        """The node store read without the world-size filter (headers of other world sizes)."""
+        if getattr(self, "_wide_store", None) is None:
+            self._wide_store = CheckpointStore(self.store.root, self.session_id, None)
+        return self._wide_store
+
+    def _elastic_choice(self, newest_same_size: int) -> Optional[ElasticChoice]:
+        """Collective: the newest iteration of another world size that the stores hold
+        completely, if newer than ``newest_same_size``; None otherwise (and in service mode)."""
+        if self._client is not None:
+            return None
+        local: List[List[int]] = []
+        failure: Optional[BaseException] = None
+        try:
+            wide = self._any_world_store()
+            for cid in wide.list():
+                try:
+                    h = wide.read_header(cid)
+                except CheckpointingException:
+                    continue  # unreadable or another session: the ordinary scan reports it
+                if h.world_size != self.world_size:
+                    local.append([cid.iteration, cid.owner, h.world_size])
+        except OSError as e:
+            failure = e
+        gathered = collectives.gather_or_fail(
+            local, failure, "listing checkpoints of other world sizes", self._control_group()
+        )
+        held: Dict[Tuple[int, int], Dict[int, List[int]]] = {}
+        for rank, per in enumerate(gathered):
+            for it, owner, ws in per:
+                held.setdefault((it, ws), {}).setdefault(owner, []).append(rank)
+        complete = [(it, ws) for (it, ws), owners in held.items() if set(owners) == set(range(ws))]
+        if not complete:
+            return None
+        it, ws = max(complete)
+        if it <= newest_same_size:
+            return None
+        return ElasticChoice(it, ws, {o: tuple(r) for o, r in held[(it, ws)].items()})
+
+    def _load_elastic(
+        self,
+        template: Optional[PreparedTemplate],
+        choice: ElasticChoice,
+        failure: Optional[BaseException],
+        t0: float,
+        reshard_objects: Optional[ObjectResharder] = None,
+    ) -> Tuple[Any, int]:
+        control = self._control_group()
+        n, it = choice.world_size, choice.iteration
+        if failure is None and template is None:
+            failure = ValidationError(
+                f"iteration {it} was saved by {n} ranks and this job has {self.world_size}: restoring "
+                "it needs a template laid out for this job (load_local(template))"
+            )
+        wanted: List[list] = []
+        headers: Dict[int, bytes] = {}
+        if failure is None:
+            try:
+                wanted = [
+                    [i, st.key, dtype_name(st.dtype), list(st.global_shape), [list(b) for b in box_of(st)]]
+                    for i, st in enumerate(template.shards)
+                ]
+                store = self._any_world_store()
+                for owner, ranks in choice.holders.items():
+                    if ranks[0] == self.rank:  # the lowest holder contributes the header
+                        headers[owner] = store.header_path(
+                            CheckpointId(it, owner, self.session_id)
+                        ).read_bytes()
+            except Exception as e:  # every rank raises together below
+                failure = e
+        gathered = collectives.gather_or_fail(
+            {"wanted": wanted, "headers": headers},
+            failure,
+            f"planning the resharded restore of iteration {it}",
+            control,
+        )
+        parsed = _parse_headers(gathered, it, n, self.session_id, self.options.allow_pickle)
+        saved = [s for h in parsed.values() for s in h.shards]
+        want = [
+            WantedShard(r, int(i), key, dtype, tuple(gs), tuple(tuple(b) for b in box))
+            for r, g in enumerate(gathered)
+            for i, key, dtype, gs, box in g["wanted"]
+        ]
+        node_of = self._store_node_keys()
+        pieces, errors = plan_reshard(
+            want, saved, choice.holders, lambda a, b: node_of[a] == node_of[b], _itemsize
+        )
+        if errors:
+            raise ValidationError(
+                f"iteration {it} (saved by {n} ranks) cannot be resharded onto {self.world_size}: "
+                + "; ".join(errors[:8])
+                + (f" (and {len(errors) - 8} more)" if len(errors) > 8 else "")
+            )
+        bad = self._move_pieces(pieces, parsed, template, it)
+        bad_all = sorted(
+            {tuple(b) for per in collectives.gather_or_fail(bad, None, "resharding", control) for b in per}
+        )
+        if bad_all:
+            raise CorruptCheckpointError(
+                f"iteration {it}: saved tensors (owner, index) {bad_all[:8]} fail their checksum where they "
+                "are held; not restored"
+            )
+        state = self._fill_elastic(template, parsed, n, reshard_objects)
+        self._adopt_elastic(it, n, t0, sum(p.nbytes for p in pieces if p.dst == self.rank))
+        return state, it
+
+    def _store_node_keys(self) -> List[str]:
+        from .restore import store_identity  # the same identity the holdings gather uses
+
+        return collectives.all_gather_msgpack(store_identity(self.store), self._control_group())
+
+    def _move_pieces(
+        self, pieces: Sequence[Piece], parsed, template: PreparedTemplate, it: int
+    ) -> List[List[int]]:
+        """Send the pieces this rank serves, receive and place the ones it needs. Returns
+        the saved tensors that failed their checksum here."""
+        me = self.rank
+        targets = [_target(st) for st in template.shards]
+        sources = _Sources(self._any_world_store(), it, self.session_id, parsed)
+        bad: List[List[int]] = []
+        out_by_dst: Dict[int, List[Piece]] = {}
+        in_by_src: Dict[int, List[Piece]] = {}
+        for p in pieces:
+            if p.src == me and p.dst == me:
+                view = sources.piece(p, bad)
+                if view is not None:
+                    _place(targets, template.shards, p, view)
+            elif p.src == me:
+                out_by_dst.setdefault(p.dst, []).append(p)
+            elif p.dst == me:
+                in_by_src.setdefault(p.src, []).append(p)
+        outgoing = []
+        for dst, ps in sorted(out_by_dst.items()):
+            views = [sources.piece(p, bad) for p in ps]
+            if any(v is None for v in views):
+                outgoing.append(Outgoing(dst, b"", torch.empty(0, dtype=torch.uint8)))
+                continue
+            payload = torch.cat([v.contiguous().view(-1).view(torch.uint8) for v in views]) if views else None
+            outgoing.append(
+                Outgoing(dst, b"r", payload if payload is not None else torch.empty(0, dtype=torch.uint8))
+            )
+        received: Dict[int, Tuple[bytes, torch.Tensor]] = {}
+
+        def land(src: int):
+            def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+                received[src] = (hdr, buf)
+                return buf
+
+            return allocate
+
+        incoming = [Incoming(src, land(src)) for src in sorted(in_by_src)]
+        self._fault("reshard_before_exchange")
+        if outgoing or incoming:
+            self._transport.exchange(outgoing, incoming)
+        del outgoing
+        for src, ps in in_by_src.items():
+            hdr, buf = received.get(src, (b"", None))
+            if not hdr:
+                bad.extend([p.owner, p.index] for p in ps)
+                continue
+            at = 0
+            for p in ps:
+                sh = template.shards[p.slot]
+                shape = [hi - lo for lo, hi in p.box][sh.prepend_axis_num :]
+                piece = buf[at : at + p.nbytes].view(sh.dtype).view(shape)
+                _place(targets, template.shards, p, piece)
+                at += p.nbytes
+        return bad
+
+    def _fill_elastic(self, template: PreparedTemplate, parsed, n: int, reshard_objects) -> Any:
+        saved_objects: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any] = {}
+        for owner in sorted(parsed):
+            for o in parsed[owner].objects:
+                saved_objects.setdefault((o.key, tuple(o.global_shape), tuple(o.global_offset)), o.data)
+        values = _object_values(
+            template.objects, saved_objects, n, self.world_size, self.rank, reshard_objects
+        )
+        by_id = {id(st): st for st in template.shards}
+
+        def fill(v):
+            if isinstance(v, ShardedTensor) and id(v) in by_id:
+                return v.data
+            if isinstance(v, ShardedObject):
+                return values[id(v)]
+            return v
+
+        sharded = template.sharded
+        map_leaves_inplace(fill, sharded)
+        result = map_leaves(lambda v: v, parsed[0].common)
+        merge(result, template.nonpersistent)
+        merge(result, apply_factory_merges(sharded, template.factories))
+        return fill_holes(result)
+
+    def _adopt_elastic(self, iteration: int, n: int, t0: float, nbytes: int) -> None:
+        self._restored = True
+        self._elastic_from = n
+        self.latest_iteration = iteration
+        self._last_saved = iteration
+        self._complete = []
+        self.last_load_metrics = LoadMetrics(
+            iteration=iteration,
+            source="resharded",
+            source_rank=-1,
+            total_s=time.perf_counter() - t0,
+            bytes_read=nbytes,
+            attempts=1,
+        )
+        if self.rank == 0:
+            logger.warning(
+                "restored iteration %d saved by %d ranks onto %d ranks (resharded from memory)",
+                iteration,
+                n,
+                self.world_size,
+            )
+
+
+@dataclass
+class _Parsed:
+    header: CheckpointHeader
+    shards: List[SavedShard]
+    objects: List[ShardedObject]
+    common: Any
+
+
+def _parse_headers(gathered, iteration: int, n: int, session: str, allow_pickle: bool) -> Dict[int, _Parsed]:
+    raw: Dict[int, bytes] = {}
+    for g in gathered:
+        for owner, h in g["headers"].items():
+            raw.setdefault(int(owner), bytes(h))
+    out: Dict[int, _Parsed] = {}
+    for owner in range(n):
+        if owner not in raw:
+            raise CorruptCheckpointError(
+                f"iteration {iteration}: no header of saved rank {owner} was gathered"
+            )
+        h = CheckpointHeader.unpack(raw[owner], source=f"header of saved rank {owner}")
+        if h.id != CheckpointId(iteration, owner, session) or h.world_size != n:
+            raise CorruptCheckpointError(
+                f"iteration {iteration}: the header gathered for rank {owner} describes {h.id}"
+            )
+        hollow = MCoreTensorAwareStateDict.from_bytes(h.meta, allow_pickle=allow_pickle)
+        metas = hollow.tensor_metadata
+        if len(metas) != len(h.tensors):
+            raise CorruptCheckpointError(
+                f"{h.id.stem()}: header lists {len(h.tensors)} tensors, metadata {len(metas)}"
+            )
+        shards = [
+            SavedShard(
+                owner,
+                i,
+                st.key,
+                dtype_name(st.dtype),
+                tuple(st.global_shape),
+                box_of(st),
+                st.prepend_axis_num,
+                lay.nbytes,
+            )
+            for i, (st, lay) in enumerate(zip(metas, h.tensors))
+        ]
+        objects = [o for o in _objects(hollow.sharded_state_dict) if o.data is not None]
+        out[owner] = _Parsed(h, shards, objects, hollow.common)
+    return out
+
+
+def _objects(tree: Any) -> List[ShardedObject]:
+    from ..model.nested import nested_values
+
+    return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
+
+
+class _Sources:
+    """Saved tensors this rank reads from its node's store (mapped once, verified once)."""
+
+    def __init__(self, store: CheckpointStore, iteration: int, session: str, parsed):
+        self.store = store
+        self.iteration = iteration
+        self.session = session
+        self.parsed = parsed
+        self._maps: Dict[int, Any] = {}
+        self._verified: Dict[Tuple[int, int], bool] = {}
+
+    def _buffer(self, owner: int) -> torch.Tensor:
+        if owner not in self._maps:
+            h = self.parsed[owner].header
+            path = self.store.data_path(CheckpointId(self.iteration, owner, self.session))
+            self._maps[owner] = (
+                map_readonly(path, h.data_nbytes, populate=True)
+                if h.data_nbytes
+                else (None, torch.empty(0, dtype=torch.uint8))
+            )
+        return self._maps[owner][1]
+
+    def piece(self, p: Piece, bad: List[List[int]]) -> Optional[torch.Tensor]:
+        """A view of the saved tensor's part ``p.box`` (None when it fails its checksum)."""
+        parsed = self.parsed[p.owner]
+        lay = parsed.header.tensors[p.index]
+        shard = parsed.shards[p.index]
+        try:
+            raw = self._buffer(p.owner)[lay.offset : lay.offset + lay.nbytes]
+        except (OSError, ValueError) as e:
+            logger.warning("cannot read saved rank %d's tensor %d: %s", p.owner, p.index, e)
+            bad.append([p.owner, p.index])
+            return None
+        key = (p.owner, p.index)
+        if key not in self._verified:
+            ok = (
+                lay.checksum is None
+                or not lay.nbytes
+                or checksum.digest(checksum.byte_view(raw)) == lay.checksum
+            )
+            self._verified[key] = ok
+        if not self._verified[key]:
+            bad.append([p.owner, p.index])
+            return None
+        t = raw.view(lay.torch_dtype).view(lay.shape)
+        return t[local_slices(p.box, shard.box, shard.prepend)]
+
+
+def _target(st: ShardedTensor) -> torch.Tensor:
+    d = st.data
+    if d is None or d.is_meta or tuple(d.shape) != st.local_shape or d.dtype != st.dtype:
+        st.data = torch.empty(st.local_shape, dtype=st.dtype)
+    return st.data
+
+
+def _place(
+    targets: List[torch.Tensor], shards: Sequence[ShardedTensor], p: Piece, piece: torch.Tensor
+) -> None:
+    st = shards[p.slot]
+    dst = targets[p.slot][local_slices(p.box, box_of(st), st.prepend_axis_num)]
+    dst.copy_(piece.reshape(dst.shape))
+
+
+def _object_values(
+    wanted: Sequence[ShardedObject],
+    saved: Mapping[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any],
+    n: int,
+    m: int,
+    rank: int,
+    reshard: Optional[ObjectResharder],
+) -> Dict[int, Any]:
+    """Each template object's value under the policy in the module docstring."""
+    out: Dict[int, Any] = {}
+    kept: Set[str] = set()
+    for o in wanted:
+        shape, off = tuple(o.global_shape), tuple(o.global_offset)
+        per_rank = shape == (m,) and (o.key, (n,), (0,)) in saved
+        if per_rank:
+            olds = [saved.get((o.key, (n,), (r,))) for r in range(n)]
+            if reshard is not None:
+                news = list(reshard(o.key, olds, m))
+                if len(news) != m:
+                    raise ValidationError(
+                        f"reshard_objects returned {len(news)} values for {o.key!r}, expected {m}"
+                    )
+                out[id(o)] = news[off[0]]
+            elif off[0] < n:
+                out[id(o)] = olds[off[0]]
+            else:
+                out[id(o)] = o.data
+                kept.add(o.key)
+            continue
+        if (o.key, shape, off) in saved:
+            out[id(o)] = saved[(o.key, shape, off)]
+            continue
+        raise ValidationError(
+            f"object {o.key!r} at offset {list(off)} of {list(shape)} has no counterpart in the checkpoint "
+            f"(saved by {n} ranks); per-rank objects need global shape (world size,) "
+            "or a reshard_objects callback"
+        )
+    if kept:
+        logger.warning(
+            "rank %d did not exist in the saved job (%d ranks): it keeps its own %s (pass "
+            "load_local(..., reshard_objects=f) to derive them from the saved ones)",
+            rank,
+            n,
+            sorted(kept),
+        )
+    return out
