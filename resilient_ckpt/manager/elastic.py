@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 import torch
 
-from ..errors import CheckpointingException, CorruptCheckpointError, ValidationError
+from ..errors import CorruptCheckpointError, ValidationError
 from ..memory import checksum
 from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, map_readonly
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
@@ -43,6 +43,7 @@ from ..parallel.resharding import (
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict, PreparedTemplate
 from ..replication.transport import Incoming, Outgoing
 from .metrics import LoadMetrics
+from .restore import Holdings
 
 logger = logging.getLogger(__name__)
 
@@ -65,36 +66,15 @@ def _itemsize(dtype: str) -> int:
 class ElasticLoad:
     """Mixed into ``CheckpointManager``."""
 
-    def _any_world_store(self) -> CheckpointStore:
-        """The node store read without the world-size filter (headers of other world sizes)."""
-        if getattr(self, "_wide_store", None) is None:
-            self._wide_store = CheckpointStore(self.store.root, self.session_id, None)
-        return self._wide_store
-
-    def _elastic_choice(self, newest_same_size: int) -> Optional[ElasticChoice]:
-        """Collective: the newest iteration of another world size that the stores hold
-        completely, if newer than ``newest_same_size``; None otherwise (and in service mode)."""
+    def _elastic_choice(self, holdings: Holdings, newest_same_size: int) -> Optional[ElasticChoice]:
+        """The newest iteration of another world size the stores hold completely (from the
+        gathered holdings: the same answer on every rank), if newer than ``newest_same_size``;
+        None otherwise (and in service mode)."""
         if self._client is not None:
             return None
-        local: List[List[int]] = []
-        failure: Optional[BaseException] = None
-        try:
-            wide = self._any_world_store()
-            for cid in wide.list():
-                try:
-                    h = wide.read_header(cid)
-                except CheckpointingException:
-                    continue  # unreadable or another session: the ordinary scan reports it
-                if h.world_size != self.world_size:
-                    local.append([cid.iteration, cid.owner, h.world_size])
-        except OSError as e:
-            failure = e
-        gathered = collectives.gather_or_fail(
-            local, failure, "listing checkpoints of other world sizes", self._control_group()
-        )
         held: Dict[Tuple[int, int], Dict[int, List[int]]] = {}
-        for rank, per in enumerate(gathered):
-            for it, owner, ws in per:
+        for rank, per in enumerate(holdings.other_worlds):
+            for (it, owner), ws in per.items():
                 held.setdefault((it, ws), {}).setdefault(owner, []).append(rank)
         complete = [(it, ws) for (it, ws), owners in held.items() if set(owners) == set(range(ws))]
         if not complete:
@@ -108,6 +88,7 @@ class ElasticLoad:
         self,
         template: Optional[PreparedTemplate],
         choice: ElasticChoice,
+        holdings: Holdings,
         failure: Optional[BaseException],
         t0: float,
         reshard_objects: Optional[ObjectResharder] = None,
@@ -127,7 +108,7 @@ class ElasticLoad:
                     [i, st.key, dtype_name(st.dtype), list(st.global_shape), [list(b) for b in box_of(st)]]
                     for i, st in enumerate(template.shards)
                 ]
-                store = self._any_world_store()
+                store = self.store
                 for owner, ranks in choice.holders.items():
                     if ranks[0] == self.rank:  # the lowest holder contributes the header
                         headers[owner] = store.header_path(
@@ -148,9 +129,8 @@ class ElasticLoad:
             for r, g in enumerate(gathered)
             for i, key, dtype, gs, box in g["wanted"]
         ]
-        node_of = self._store_node_keys()
         pieces, errors = plan_reshard(
-            want, saved, choice.holders, lambda a, b: node_of[a] == node_of[b], _itemsize
+            want, saved, choice.holders, lambda a, b: holdings.node_of(a) == holdings.node_of(b), _itemsize
         )
         if errors:
             raise ValidationError(
@@ -171,11 +151,6 @@ class ElasticLoad:
         self._adopt_elastic(it, n, t0, sum(p.nbytes for p in pieces if p.dst == self.rank))
         return state, it
 
-    def _store_node_keys(self) -> List[str]:
-        from .restore import store_identity  # the same identity the holdings gather uses
-
-        return collectives.all_gather_msgpack(store_identity(self.store), self._control_group())
-
     def _move_pieces(
         self, pieces: Sequence[Piece], parsed, template: PreparedTemplate, it: int
     ) -> List[List[int]]:
@@ -183,7 +158,7 @@ class ElasticLoad:
         the saved tensors that failed their checksum here."""
         me = self.rank
         targets = [_target(st) for st in template.shards]
-        sources = _Sources(self._any_world_store(), it, self.session_id, parsed)
+        sources = _Sources(self.store, it, self.session_id, parsed)
         bad: List[List[int]] = []
         out_by_dst: Dict[int, List[Piece]] = {}
         in_by_src: Dict[int, List[Piece]] = {}

@@ -56,7 +56,7 @@ class LoadPath:
         holdings = self._holdings()
         complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         self.latest_iteration = complete[0] if complete else -1
-        elastic = self._elastic_choice(self.latest_iteration)
+        elastic = self._elastic_choice(holdings, self.latest_iteration)
         if elastic is not None:  # another world size's, newer: load_local reshards it
             self.latest_iteration = elastic.iteration
         else:
@@ -70,17 +70,21 @@ class LoadPath:
             self._started = self._restored = False
         return self.latest_iteration
 
-    def _elastic_if_newer(self, failure: Optional[BaseException]):
-        """Collective: the iteration of another world size to restore (resharded), when it is
-        newer than every complete one of this world size; else None."""
-        self.wait_for_saves()
-        holdings = self._holdings(failure)
-        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
-        return self._elastic_choice(complete[0] if complete else -1)
-
     def _raise_if_only_foreign(self, holdings: Holdings) -> None:
         complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         notes = sorted({n for per in holdings.foreign for n in per})
+        # another world size's checkpoints are restorable resharded only when held whole
+        other: Dict[Tuple[int, int], Set[int]] = {}
+        for per in holdings.other_worlds:
+            for (it, owner), ws in per.items():
+                other.setdefault((it, ws), set()).add(owner)
+        notes += [
+            f"iteration {it} was saved by a job of world size {ws}, this job has {self.world_size}, and "
+            f"the stores hold the data of only {len(owners)} of its {ws} ranks (restorable resharded "
+            "only when held whole)"
+            for (it, ws), owners in sorted(other.items(), reverse=True)
+            if owners != set(range(ws))
+        ]
         if notes and not complete:
             raise CheckpointingException(
                 "the store holds checkpoints this job cannot use: " + "; ".join(notes[:3])
@@ -126,16 +130,19 @@ class LoadPath:
             targets = template_targets(template) if template is not None else {}
         except Exception as e:
             local, targets = e, {}
-        elastic = self._elastic_if_newer(local)
+        self.wait_for_saves()
+        holdings = self._holdings(local)
+        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
+        elastic = self._elastic_choice(holdings, complete[0] if complete else -1)
         if elastic is not None:
             if template is None and elastic_template is not None and local is None:
                 try:
                     template = prepare_template(elastic_template())
                 except Exception as e:  # travels with the next collective: every rank stops
                     local = e
-            return self._load_elastic(template, elastic, local, t0, reshard_objects)
+            return self._load_elastic(template, elastic, holdings, local, t0, reshard_objects)
+        self._raise_if_only_foreign(holdings)
         tier = self._persistent_tier()
-        holdings = None
         if tier is not None:
             out, holdings = self._maybe_load_persistent(tier, raw_template, t0, local)
             if out is not None:

@@ -49,6 +49,9 @@ class Holdings:
     foreign: Tuple[Tuple[str, ...], ...]
     #: per rank: {(iteration, holder): block size} of the parity files its node store holds
     parity: Tuple[Mapping[Tuple[int, int], int], ...] = ()
+    #: per rank: {(iteration, owner): world size} of this session's checkpoints saved by a job
+    #: of another world size (restorable resharded, ``manager.elastic``)
+    other_worlds: Tuple[Mapping[Tuple[int, int], int], ...] = ()
 
     def node_of(self, rank: int) -> int:
         return self._node_index[self.store_keys[rank]]
@@ -133,17 +136,25 @@ def gather_holdings(
         ids=tuple({(int(it), int(o)): int(n) for it, o, n in g["ids"]} for g in gathered),
         foreign=tuple(tuple(g["foreign"]) for g in gathered),
         parity=tuple({(int(it), int(h)): int(n) for it, h, n in g.get("parity", ())} for g in gathered),
+        other_worlds=tuple(
+            {(int(it), int(o)): int(w) for it, o, w in g.get("other_worlds", ())} for g in gathered
+        ),
     )
 
 
 def _scan_holdings(store: CheckpointStore, world_size: int) -> dict:
     ids: Dict[Tuple[int, int], int] = {}
     foreign: List[str] = []
+    other_worlds: List[List[int]] = []
     for cid in store.list():
         try:
             h = store.read_header(cid)
         except ForeignCheckpointError as e:
-            foreign.append(str(e))
+            other = _other_world(store, cid, world_size)
+            if other is not None:
+                other_worlds.append([cid.iteration, cid.owner, other])
+            else:
+                foreign.append(str(e))
             continue
         except (CorruptCheckpointError, StoreError, OSError) as e:
             # A local problem must not keep this rank from the gather (peers would wait).
@@ -166,7 +177,18 @@ def _scan_holdings(store: CheckpointStore, world_size: int) -> dict:
         "ids": [[it, o, n] for (it, o), n in sorted(ids.items())],
         "foreign": foreign[:5],
         "parity": parity,
+        "other_worlds": other_worlds,
     }
+
+
+def _other_world(store: CheckpointStore, cid: CheckpointId, world_size: int) -> Optional[int]:
+    """The world size of this session's checkpoint ``cid`` saved by another world size, or
+    None (another session's, or unreadable)."""
+    try:
+        ws = store.read_header_any_world(cid).world_size
+    except (StoreError, OSError):
+        return None
+    return ws if ws != world_size else None
 
 
 @dataclass

@@ -581,12 +581,11 @@ class SavePath:
     def _retire_resharded(self, threshold: int) -> None:
         """After a resharded restore, the saving job's world-size checkpoints are this job's
         past: retired like its own once a newer iteration is complete."""
-        wide = self._any_world_store()
-        for cid in wide.list():
+        for cid in self.store.list():
             if cid.iteration >= threshold:
                 continue
             try:
-                if wide.read_header(cid).world_size == self._elastic_from:
+                if self.store.read_header_any_world(cid).world_size == self._elastic_from:
                     self.store.discard(cid, recycle=False)
             except (StoreError, OSError) as e:
                 logger.debug("not retiring %s: %s", cid.stem(), e)

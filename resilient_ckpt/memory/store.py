@@ -881,6 +881,19 @@ class CheckpointStore:
             )
         return header
 
+    def read_header_any_world(self, cid: CheckpointId) -> CheckpointHeader:
+        """:meth:`read_header` without the world-size filter (a checkpoint of another world
+        size is restored resharded); parsed at most once per file, like every header."""
+        try:
+            header = self._parse_header(self.header_path(cid))
+        except FileNotFoundError:
+            raise StoreError(f"no checkpoint {cid.stem()} in {self.dir}") from None
+        if header.session != self.session or header.id != cid:
+            raise ForeignCheckpointError(
+                f"{self.header_path(cid)} is not {cid.stem()} of session {self.session!r}"
+            )
+        return header
+
     def _parse_header(self, path: Path) -> CheckpointHeader:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
