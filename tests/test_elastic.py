@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import node_store_root, run_ranks
 from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
@@ -337,3 +339,42 @@ def _save_keep(ctx, iterations):
     for it in iterations:
         m.save_local(_state(ctx.rank, ctx.world_size, it), it).wait()
     m.close()
+
+
+# ---- the planner alone (pure) ------------------------------------------------------------------
+
+
+def _plan(saved_boxes, wanted_boxes, shape=(8,)):
+    from resilient_ckpt.parallel.resharding import SavedShard, WantedShard, plan_reshard
+
+    saved = [SavedShard(o, 0, "k", "float32", shape, b, 0, 0) for o, b in enumerate(saved_boxes)]
+    wanted = [WantedShard(r, 0, "k", "float32", shape, b) for r, b in enumerate(wanted_boxes)]
+    holders = {o: (o,) for o in range(len(saved_boxes))}
+    return plan_reshard(wanted, saved, holders, lambda a, b: a == b, lambda d: 4)
+
+
+def test_planner_names_gaps_overlaps_and_ranges_the_new_layout_drops():
+    _, errors = _plan([((0, 4),)], [((0, 8),)])
+    assert errors == ["rank 0: key 'k' range [0:8]: the checkpoint covers only 4 of its 8 elements"]
+    _, errors = _plan([((0, 6),), ((4, 8),)], [((0, 8),)])
+    assert "overlaps itself in 10 of its 8 elements" in errors[0]
+    _, errors = _plan([((0, 4),), ((4, 8),)], [((0, 4),)])
+    assert errors == ["key 'k': no rank of the new layout asks for range [4:8] of it (it would be dropped)"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 30))
+def test_planner_pieces_tile_every_template_shard_exactly(n, m, length):
+    import math as _math
+
+    def split(k):
+        step = -(-length // k)
+        return [((lo, min(length, lo + step)),) for lo in range(0, length, step)]
+
+    pieces, errors = _plan(split(n), split(m), (length,))
+    assert errors == []
+    for r, box in enumerate(split(m)):
+        mine = sorted(p.box for p in pieces if p.dst == r)
+        # pieces of one template shard are disjoint and add up to it
+        assert sum(_math.prod(hi - lo for lo, hi in b) for b in mine) == box[0][1] - box[0][0]
+        assert all(a[0][1] <= b[0][0] for a, b in zip(mine, mine[1:]))

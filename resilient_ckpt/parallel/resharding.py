@@ -13,6 +13,7 @@ the same errors.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -137,7 +138,40 @@ def plan_reshard(
                 f"rank {w.rank}: key {w.key!r} range [{ranges}]: the checkpoint {what} {covered} of "
                 f"its {need} elements"
             )
+    errors += _unclaimed(wanted, by_key)
     return pieces, errors
+
+
+#: beyond this many grid cells per key the coverage of the new layout is not checked
+MAX_COVERAGE_CELLS = 1 << 16
+
+
+def _unclaimed(wanted: Sequence[WantedShard], by_key: Mapping[str, List[SavedShard]]) -> List[str]:
+    """Saved ranges no rank of the new layout asks for: the restore would drop them."""
+    asked: Dict[str, List[Box]] = {}
+    for w in wanted:
+        asked.setdefault(w.key, []).append(w.box)
+    out = []
+    for key in sorted(asked):
+        saved = [s.box for s in by_key.get(key, ())]
+        boxes = list({*asked[key]})
+        if not saved or not saved[0]:
+            continue
+        cuts = [sorted({c for b in saved + boxes for c in b[axis]}) for axis in range(len(saved[0]))]
+        if math.prod(len(c) - 1 for c in cuts) > MAX_COVERAGE_CELLS:
+            continue
+        for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
+            if any(_inside(cell, b) for b in saved) and not any(_inside(cell, b) for b in boxes):
+                ranges = ", ".join(f"{lo}:{hi}" for lo, hi in cell)
+                out.append(
+                    f"key {key!r}: no rank of the new layout asks for range [{ranges}] of it (it would be dropped)"
+                )
+                break
+    return out
+
+
+def _inside(cell: Box, box: Box) -> bool:
+    return all(lo <= clo and chi <= hi for (clo, chi), (lo, hi) in zip(cell, box))
 
 
 def _source(dst: int, holders: Sequence[int], same_store, load: Dict[int, int]) -> Optional[int]:
