@@ -50,14 +50,9 @@ def _state(rank, world, it, tp_axis=0, empty=False):
 def _manager(ctx, **kw):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
-    nodes = -(-ctx.world_size // ctx.ranks_per_node)  # one surviving node keeps no replica
+    # replication_factor=2 (the default) also on one surviving node: it keeps one copy, warned
     return CheckpointManager(
-        "elastic",
-        store_root=ctx.store_root,
-        ranks_per_node=ctx.ranks_per_node,
-        replication_factor=min(2, nodes),
-        timeout_s=30,
-        **kw,
+        "elastic", store_root=ctx.store_root, ranks_per_node=ctx.ranks_per_node, timeout_s=30, **kw
     )
 
 
@@ -378,3 +373,17 @@ def test_planner_pieces_tile_every_template_shard_exactly(n, m, length):
         # pieces of one template shard are disjoint and add up to it
         assert sum(_math.prod(hi - lo for lo, hi in b) for b in mine) == box[0][1] - box[0][0]
         assert all(a[0][1] <= b[0][0] for a, b in zip(mine, mine[1:]))
+
+
+@pytest.mark.multiprocess
+def test_a_corrupt_copy_is_routed_around_through_another_holder(tmp_root):
+    run_ranks(_save, 4, tmp_root, ranks_per_node=1, args=([5],), timeout=120)
+    _lose(tmp_root, 3)
+    # saved rank 1's own file on node 1 has a flipped byte; its replica on node 2 is intact
+    (data,) = (tmp_root / "node1" / "elastic").glob(f"iter_{5:020d}.owner_{1:06d}.data")
+    with open(data, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+    out = run_ranks(_restore, 3, tmp_root, ranks_per_node=1, args=(4,), timeout=120)
+    assert [o[:3] for o in out] == [(5, 5, True)] * 3

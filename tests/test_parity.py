@@ -298,30 +298,23 @@ def test_rs_routes_around_a_corrupt_share(rs_saved, tmp_path, caplog):
 
 
 @pytest.mark.multiprocess
-def test_rs_six_nodes_lose_two_of_one_group(tmp_root):
-    # 6 nodes, k=2, m=2: two groups of 3 (a leftover of 2 cannot hold m=2), here (0, 1, 2)
-    run_ranks(_save, 6, tmp_root, ranks_per_node=1, args=(2, 2, [3]), timeout=150)
-    _lose(tmp_root, 0, 2)
-    out = run_ranks(_load, 6, tmp_root, ranks_per_node=1, args=(2, 2), timeout=150)
-    assert out == [(3, True)] * 6
-
-
-@pytest.mark.multiprocess
-def test_world_not_divisible_by_the_group_size(tmp_root):
-    # 7 nodes, k=4: a group of 5 and a mirror pair (5, 6); one node lost in each
-    run_ranks(_save, 7, tmp_root, ranks_per_node=1, args=(4, 1, [4]), timeout=150)
-    _lose(tmp_root, 2, 6)
-    out = run_ranks(_load, 7, tmp_root, ranks_per_node=1, args=(4, 1), timeout=150)
-    assert out == [(4, True)] * 7
-
-
-@pytest.mark.multiprocess
-def test_two_ranks_per_node(tmp_root):
-    # 3 nodes x 2 ranks, k=2: groups (0, 2, 4) and (1, 3, 5); node 1 (ranks 2, 3) lost
-    run_ranks(_save, 6, tmp_root, ranks_per_node=2, args=(2, 1, [7]), timeout=150)
-    _lose(tmp_root, 1)
-    out = run_ranks(_load, 6, tmp_root, ranks_per_node=2, args=(2, 1), timeout=150)
-    assert out == [(7, True)] * 6
+@pytest.mark.parametrize(
+    "world, rpn, k, m, lost",
+    [
+        # 6 nodes, k=2, m=2: two groups of 3 (a leftover of 2 cannot hold m=2); two of (0, 1, 2)
+        (6, 1, 2, 2, (0, 2)),
+        # 7 nodes, k=4: a group of 5 and a mirror pair (5, 6); one node lost in each
+        (7, 1, 4, 1, (2, 6)),
+        # 3 nodes x 2 ranks, k=2: groups (0, 2, 4) and (1, 3, 5); node 1 (ranks 2, 3) lost
+        (6, 2, 2, 1, (1,)),
+    ],
+    ids=["rs-6-nodes", "7-nodes-not-divisible", "2-ranks-per-node"],
+)
+def test_other_layouts_lose_nodes_and_restore_bit_exactly(tmp_root, world, rpn, k, m, lost):
+    run_ranks(_save, world, tmp_root, ranks_per_node=rpn, args=(k, m, [4]), timeout=150)
+    _lose(tmp_root, *lost)
+    out = run_ranks(_load, world, tmp_root, ranks_per_node=rpn, args=(k, m), timeout=150)
+    assert out == [(4, True)] * world
 
 
 def _save_then_die(ctx, point):

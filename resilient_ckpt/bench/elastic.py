@@ -53,14 +53,8 @@ def _state(ctx: RankContext, rows: int, cols: int, empty: bool) -> Dict[str, Any
 def _manager(ctx: RankContext, **kw):
     from ..manager.checkpoint_manager import CheckpointManager
 
-    nodes = ctx.num_nodes
     return CheckpointManager(
-        ctx.session,
-        store_root=ctx.store_root,
-        ranks_per_node=ctx.ranks_per_node,
-        replication_factor=min(2, nodes),
-        timeout_s=300,
-        **kw,
+        ctx.session, store_root=ctx.store_root, ranks_per_node=ctx.ranks_per_node, timeout_s=300, **kw
     )
 
 

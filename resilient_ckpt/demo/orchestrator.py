@@ -132,8 +132,6 @@ class Demo:
                 "--store-root", str(self.node_root(run, node)),
                 "--mode", self.args.mode,
                 "--timeout", "20",
-                # one surviving node keeps no replica (copies must be on other nodes)
-                "--replication-factor", str(min(2, nodes)),
             ]
             # fmt: on
             if self.args.mode == "service":

@@ -241,6 +241,23 @@ class CheckpointManager(SavePath, LoadPath, ElasticLoad, Healing):
             )
             factor = 1
         rpn = rpn or ranks_per_node(self.options)
+        nodes = -(-self.world_size // rpn) if rpn else self.world_size
+        if rep.placement == "ring" and factor > nodes:
+            # A job resumed on fewer nodes (no replacement came: see manager.elastic) keeps
+            # running with as many copies as it has nodes, rather than refusing to start.
+            if self.rank == 0:
+                logger.warning(
+                    "replication_factor=%d needs %d nodes, this job spans %d (%d ranks, %s per node): "
+                    "keeping %d cop%s of each rank's data until it runs on more nodes",
+                    factor,
+                    factor,
+                    nodes,
+                    self.world_size,
+                    rpn,
+                    nodes,
+                    "y" if nodes == 1 else "ies",
+                )
+            factor = nodes
         if rep.placement == "ring":
             return ring_placement(self.world_size, factor, rep.jump, ranks_per_node=rpn)
         return clique_placement(self.world_size, factor, rep.jump, rpn, skip_same_node=self._skip_same_node)

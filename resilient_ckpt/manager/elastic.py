@@ -48,6 +48,7 @@ from .restore import Holdings
 logger = logging.getLogger(__name__)
 
 ObjectResharder = Callable[[str, List[Any], int], List[Any]]
+MAX_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -129,24 +130,45 @@ class ElasticLoad:
             for r, g in enumerate(gathered)
             for i, key, dtype, gs, box in g["wanted"]
         ]
-        pieces, errors = plan_reshard(
-            want, saved, choice.holders, lambda a, b: holdings.node_of(a) == holdings.node_of(b), _itemsize
-        )
-        if errors:
-            raise ValidationError(
-                f"iteration {it} (saved by {n} ranks) cannot be resharded onto {self.world_size}: "
-                + "; ".join(errors[:8])
-                + (f" (and {len(errors) - 8} more)" if len(errors) > 8 else "")
+        same_node = lambda a, b: holdings.node_of(a) == holdings.node_of(b)  # noqa: E731
+        excluded: Set[Tuple[int, int]] = set()  # (saved rank, holder) copies that failed
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            holders = {o: tuple(r for r in rs if (o, r) not in excluded) for o, rs in choice.holders.items()}
+            pieces, errors = plan_reshard(want, saved, holders, same_node, _itemsize)
+            if errors:
+                cls = ValidationError if attempt == 1 else CorruptCheckpointError
+                raise cls(
+                    f"iteration {it} (saved by {n} ranks) cannot be resharded onto {self.world_size}: "
+                    + "; ".join(errors[:8])
+                    + (f" (and {len(errors) - 8} more)" if len(errors) > 8 else "")
+                    + (
+                        ""
+                        if attempt == 1
+                        else f" (copies failing their checksum excluded: {sorted(excluded)[:8]})"
+                    )
+                )
+            local: Optional[BaseException] = None
+            bad: List[List[int]] = []
+            try:
+                bad = self._move_pieces(pieces, parsed, template, it)
+            except Exception as e:  # a dead or stuck peer: every rank stops together below
+                local = e
+            gathered_bad = collectives.gather_or_fail(bad, local, f"resharding iteration {it}", control)
+            failed = sorted({tuple(b) for per in gathered_bad for b in per})
+            if not failed:
+                break
+            # one file per node store: the copy failed for every rank of that node
+            excluded |= {
+                (owner, r) for owner, _i, src in failed for r in range(self.world_size) if same_node(r, src)
+            }
+            logger.warning(
+                "iteration %d: saved tensors (saved rank, index, holder) %s fail their checksum; "
+                "re-planning from other holders",
+                it,
+                failed[:8],
             )
-        bad = self._move_pieces(pieces, parsed, template, it)
-        bad_all = sorted(
-            {tuple(b) for per in collectives.gather_or_fail(bad, None, "resharding", control) for b in per}
-        )
-        if bad_all:
-            raise CorruptCheckpointError(
-                f"iteration {it}: saved tensors (owner, index) {bad_all[:8]} fail their checksum where they "
-                "are held; not restored"
-            )
+        else:
+            raise CorruptCheckpointError(f"iteration {it}: no intact copy after {MAX_ATTEMPTS} attempts")
         state = self._fill_elastic(template, parsed, n, reshard_objects)
         self._adopt_elastic(it, n, t0, sum(p.nbytes for p in pieces if p.dst == self.rank))
         return state, it
@@ -158,7 +180,7 @@ class ElasticLoad:
         the saved tensors that failed their checksum here."""
         me = self.rank
         targets = [_target(st) for st in template.shards]
-        sources = _Sources(self.store, it, self.session_id, parsed)
+        sources = _Sources(self.store, it, self.session_id, parsed, me)
         bad: List[List[int]] = []
         out_by_dst: Dict[int, List[Piece]] = {}
         in_by_src: Dict[int, List[Piece]] = {}
@@ -199,7 +221,7 @@ class ElasticLoad:
         for src, ps in in_by_src.items():
             hdr, buf = received.get(src, (b"", None))
             if not hdr:
-                bad.extend([p.owner, p.index] for p in ps)
+                bad.extend([p.owner, p.index, src] for p in ps)
                 continue
             at = 0
             for p in ps:
@@ -314,7 +336,8 @@ def _objects(tree: Any) -> List[ShardedObject]:
 class _Sources:
     """Saved tensors this rank reads from its node's store (mapped once, verified once)."""
 
-    def __init__(self, store: CheckpointStore, iteration: int, session: str, parsed):
+    def __init__(self, store: CheckpointStore, iteration: int, session: str, parsed, me: int):
+        self.me = me
         self.store = store
         self.iteration = iteration
         self.session = session
@@ -342,7 +365,7 @@ class _Sources:
             raw = self._buffer(p.owner)[lay.offset : lay.offset + lay.nbytes]
         except (OSError, ValueError) as e:
             logger.warning("cannot read saved rank %d's tensor %d: %s", p.owner, p.index, e)
-            bad.append([p.owner, p.index])
+            bad.append([p.owner, p.index, self.me])
             return None
         key = (p.owner, p.index)
         if key not in self._verified:
@@ -353,7 +376,7 @@ class _Sources:
             )
             self._verified[key] = ok
         if not self._verified[key]:
-            bad.append([p.owner, p.index])
+            bad.append([p.owner, p.index, self.me])
             return None
         t = raw.view(lay.torch_dtype).view(lay.shape)
         return t[local_slices(p.box, shard.box, shard.prepend)]
