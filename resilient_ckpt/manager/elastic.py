@@ -349,11 +349,7 @@ class _Sources:
         if owner not in self._maps:
             h = self.parsed[owner].header
             path = self.store.data_path(CheckpointId(self.iteration, owner, self.session))
-            self._maps[owner] = (
-                map_readonly(path, h.data_nbytes, populate=True)
-                if h.data_nbytes
-                else (None, torch.empty(0, dtype=torch.uint8))
-            )
+            self._maps[owner] = map_readonly(path, h.data_nbytes, populate=True)
         return self._maps[owner][1]
 
     def piece(self, p: Piece, bad: List[List[int]]) -> Optional[torch.Tensor]:

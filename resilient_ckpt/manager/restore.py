@@ -25,7 +25,7 @@ from ..errors import (
     StoreError,
 )
 from ..memory import checksum
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, TensorLayout
+from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, TensorLayout, failed_tensors
 from ..parallel import collectives
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import ParityGroup, recoverable_owners
@@ -604,9 +604,4 @@ def _verify_tensors(header: CheckpointHeader, tensors: Sequence[torch.Tensor]) -
 def _verify(header: CheckpointHeader, arena: torch.Tensor) -> List[int]:
     if not header.data_nbytes:
         return []
-    mv = checksum.byte_view(arena)
-    return [
-        i
-        for i, l in enumerate(header.tensors)
-        if l.checksum is not None and checksum.digest(mv[l.offset : l.offset + l.nbytes]) != l.checksum
-    ]
+    return failed_tensors(header, checksum.byte_view(arena))

@@ -500,12 +500,7 @@ class CheckpointReader:
         m, buf = self.map()
         try:
             mv = memoryview(m)
-            bad = [
-                i
-                for i, lay in enumerate(self.header.tensors)
-                if lay.checksum is not None
-                and checksum.digest(mv[lay.offset : lay.offset + lay.nbytes]) != lay.checksum
-            ]
+            bad = failed_tensors(self.header, mv)
             mv.release()
             return bad
         finally:
@@ -513,8 +508,22 @@ class CheckpointReader:
             m.close()
 
 
-def map_readonly(path: Path, nbytes: int, populate: bool = False) -> Tuple[mmap.mmap, torch.Tensor]:
-    """A read-only shared mapping of ``nbytes`` of a store file, as a uint8 tensor."""
+def failed_tensors(header: CheckpointHeader, data: memoryview) -> List[int]:
+    """Indices of ``header``'s tensors whose bytes in ``data`` (the checkpoint's segment, or
+    a copy of it) fail their checksum."""
+    digest = checksum.digest
+    return [
+        i
+        for i, lay in enumerate(header.tensors)
+        if lay.checksum is not None and digest(data[lay.offset : lay.offset + lay.nbytes]) != lay.checksum
+    ]
+
+
+def map_readonly(path: Path, nbytes: int, populate: bool = False) -> Tuple[Optional[mmap.mmap], torch.Tensor]:
+    """A read-only shared mapping of ``nbytes`` of a store file, as a uint8 tensor (no
+    mapping, an empty tensor, for 0 bytes: mmap refuses empty lengths)."""
+    if not nbytes:
+        return None, torch.empty(0, dtype=torch.uint8)
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and hasattr(mmap, "MAP_POPULATE") else 0)
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ)
@@ -605,19 +614,15 @@ class CheckpointStore:
     # ---- space -----------------------------------------------------------------------------
 
     def usage(self) -> Dict[str, int]:
-        """Bytes held: published data, free pool, total; and the filesystem's free bytes."""
-        data = free = 0
-        for p in _entries(self.dir):
-            if p.suffix == ".data":
-                data += _regular_size(p)
-        for p in _entries(self.free_dir):
-            free += _regular_size(p)
+        """Bytes held: published data, free pool, total, what the store occupies; and the
+        filesystem's free bytes."""
+        data, free, occupied = self._sizes()
         st = os.statvfs(self.dir)
         return {
             "data_bytes": data,
             "free_pool_bytes": free,
             "total_bytes": data + free,
-            "store_bytes": self.store_bytes(),
+            "store_bytes": occupied,
             "fs_free_bytes": st.f_bavail * st.f_frsize,
             "fs_total_bytes": st.f_blocks * st.f_frsize,
         }
@@ -626,14 +631,26 @@ class CheckpointStore:
         """Host memory this session's store occupies on the node: allocated blocks
         (``st_blocks``) of every file in it — own data, replicas, parity, headers, the free
         pool and reservations (a segment being filled counts only the pages it has)."""
-        total = 0
+        return self._sizes()[2]
+
+    def _sizes(self) -> Tuple[int, int, int]:
+        """(bytes of ``.data`` files, bytes of the free pool, allocated bytes of every file):
+        one lstat per file."""
+        data = free = occupied = 0
         for d in (self.dir, self.free_dir):
             for p in _entries(d):
-                with contextlib.suppress(OSError):
+                try:
                     st = os.lstat(p)
-                    if stat.S_ISREG(st.st_mode):
-                        total += st.st_blocks * 512
-        return total
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                occupied += st.st_blocks * 512
+                if d is self.free_dir:
+                    free += st.st_size
+                elif p.suffix == ".data":
+                    data += st.st_size
+        return data, free, occupied
 
     def _preflight(self, need: int, candidate: Optional[Path] = None) -> None:
         """Raise StoreFullError, before anything is written, if ``need`` bytes do not fit.
@@ -777,13 +794,8 @@ class CheckpointStore:
         return cid
 
     def write_header(self, header: CheckpointHeader) -> None:
-        cid = header.id
-        path = self.header_path(cid)
-        tmp = self.dir / f".{cid.stem()}.hdr.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(header.pack())
-            st = os.fstat(f.fileno())
-        os.replace(tmp, path)
+        path = self.header_path(header.id)
+        st = self._publish_header(header.id, header.pack())
         if header.created_ns and header.writer:
             # What a read of this file would parse (the fields pack fills in are set): later
             # reads of it (retention, restore) need not parse 50k tensor entries again.
@@ -836,11 +848,17 @@ class CheckpointStore:
         segment.path = target
 
     def write_parity_header(self, raw: bytes, pid: ParityId) -> None:
-        path = self.header_path(pid)
-        tmp = self.dir / f".{pid.stem()}.hdr.{os.getpid()}.tmp"
+        self._publish_header(pid, raw)
+
+    def _publish_header(self, fid: Any, raw: bytes) -> os.stat_result:
+        """Write a header under a temporary name and rename it into place (a reader sees
+        all of it or nothing); returns the written file's stat."""
+        tmp = self.dir / f".{fid.stem()}.hdr.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.write(raw)
-        os.replace(tmp, path)
+            st = os.fstat(f.fileno())
+        os.replace(tmp, self.header_path(fid))
+        return st
 
     def read_parity_header(self, pid: ParityId) -> Dict[str, Any]:
         """The parity header's fields (verified envelope, magic, version, session, id)."""
@@ -859,6 +877,19 @@ class CheckpointStore:
 
     def read_header(self, cid: CheckpointId) -> CheckpointHeader:
         path = self.header_path(cid)
+        header = self.read_header_any_world(cid)
+        if self.world_size is not None and header.world_size != self.world_size:
+            raise ForeignCheckpointError(
+                f"{path} was written by a job of world size {header.world_size}, this job has "
+                f"{self.world_size}; it cannot be restored here (restore with the original world "
+                "size, or drop the store with `resilient-ckpt drop`)"
+            )
+        return header
+
+    def read_header_any_world(self, cid: CheckpointId) -> CheckpointHeader:
+        """:meth:`read_header` without the world-size filter (a checkpoint of another world
+        size is restored resharded); parsed at most once per file, like every header."""
+        path = self.header_path(cid)
         try:
             header = self._parse_header(path)
         except FileNotFoundError:
@@ -872,25 +903,6 @@ class CheckpointStore:
         if header.id != cid:
             raise CorruptCheckpointError(
                 f"{path} describes {header.id.stem()} (file name and header disagree); it is not loaded"
-            )
-        if self.world_size is not None and header.world_size != self.world_size:
-            raise ForeignCheckpointError(
-                f"{path} was written by a job of world size {header.world_size}, this job has "
-                f"{self.world_size}; it cannot be restored here (restore with the original world "
-                "size, or drop the store with `resilient-ckpt drop`)"
-            )
-        return header
-
-    def read_header_any_world(self, cid: CheckpointId) -> CheckpointHeader:
-        """:meth:`read_header` without the world-size filter (a checkpoint of another world
-        size is restored resharded); parsed at most once per file, like every header."""
-        try:
-            header = self._parse_header(self.header_path(cid))
-        except FileNotFoundError:
-            raise StoreError(f"no checkpoint {cid.stem()} in {self.dir}") from None
-        if header.session != self.session or header.id != cid:
-            raise ForeignCheckpointError(
-                f"{self.header_path(cid)} is not {cid.stem()} of session {self.session!r}"
             )
         return header
 
@@ -1048,15 +1060,6 @@ def _entries(d: Path) -> List[Path]:
         return list(d.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _regular_size(p: Path) -> int:
-    """Size of a regular file (one lstat: links and directories count 0)."""
-    try:
-        st = os.lstat(p)
-    except FileNotFoundError:
-        return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _regular(p: Path) -> bool:

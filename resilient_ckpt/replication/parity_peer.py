@@ -40,6 +40,7 @@ from ..memory.store import (
     CheckpointStore,
     ParityId,
     Segment,
+    failed_tensors,
     map_readonly,
     pack_envelope,
     writer_name,
@@ -383,8 +384,6 @@ class _Sources:
         self._maps: list = []
 
     def _map(self, path, nbytes: int) -> torch.Tensor:
-        if not nbytes:
-            return _EMPTY
         m, buf = map_readonly(path, nbytes, populate=True)  # one kernel pass, not a fault per page
         self._maps.append(m)
         return buf
@@ -572,10 +571,7 @@ class _Target:
         if self.segment is None:  # no data bytes at all
             self.segment = self.store.allocate(self.iteration, h.owner, h.data_nbytes)
         mv = checksum.byte_view(self.segment.buffer) if h.data_nbytes else memoryview(b"")
-        return all(
-            lay.checksum is None or checksum.digest(mv[lay.offset : lay.offset + lay.nbytes]) == lay.checksum
-            for lay in h.tensors
-        )
+        return not failed_tensors(h, mv)
 
     def publish(self) -> bool:
         assert self.segment is not None and self.header_raw is not None and self.header is not None
