@@ -144,7 +144,7 @@ class LoadPath:
         self._raise_if_only_foreign(holdings)
         tier = self._persistent_tier()
         if tier is not None:
-            out, holdings = self._maybe_load_persistent(tier, raw_template, t0, local)
+            out = self._maybe_load_persistent(tier, raw_template, t0, complete[0] if complete else -1)
             if out is not None:
                 return out
         retrieved, iteration = self._retrieve_latest(
@@ -314,19 +314,12 @@ class LoadPath:
                 )
         return gather_holdings(self.store, group, self.world_size)
 
-    def _maybe_load_persistent(
-        self, tier, template, t0: float, failure: Optional[BaseException] = None
-    ) -> Tuple[Optional[Tuple[Any, int]], Holdings]:
-        """Load from the persistent tier if it is newer than memory (decided collectively).
-        Returns (result or None, the gathered holdings, reused by the memory path)."""
-        self.wait_for_saves()
-        holdings = self._holdings(failure)
-        self._raise_if_only_foreign(holdings)
-        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
-        in_memory = complete[0] if complete else -1
+    def _maybe_load_persistent(self, tier, template, t0: float, in_memory: int) -> Optional[Tuple[Any, int]]:
+        """Load from the persistent tier if it is newer than ``in_memory`` (the newest complete
+        iteration of the gathered holdings: decided alike on every rank); None otherwise."""
         durable = tier.agreed_latest()
         if durable is None or durable.iteration <= in_memory:
-            return None, holdings
+            return None
         if in_memory < 0:
             logger.warning(
                 "no complete in-memory checkpoint; restoring iteration %d from the persistent tier %s",
@@ -335,7 +328,7 @@ class LoadPath:
             )
         out = tier.load(template, self._parallel_group())
         if out is None:
-            return None, holdings
+            return None
         iteration = out[1]
         self._restored = True
         self._drop_abandoned(newer_than=iteration)
@@ -350,7 +343,7 @@ class LoadPath:
             bytes_read=getattr(report, "bytes_read", 0) if report is not None else 0,
             attempts=1,
         )
-        return out, holdings
+        return out
 
     def _retrieve_latest(
         self,
