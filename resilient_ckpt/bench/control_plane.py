@@ -172,7 +172,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     # structure walk: copying the tree, splitting common / sharded, listing ShardedTensors
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:preprocess", "phase"),
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:_sharded_tensors", "phase"),
-    ("structure walk", _PKG + "parallel.tensor_aware_state_dict:_sharded_objects", "phase"),
+    ("structure walk", _PKG + "parallel.tensor_aware_state_dict:sharded_objects", "phase"),
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:template_targets", "phase"),
     ("structure walk", _PKG + "manager.loading:template_targets", "phase"),
     # the cached save's one walk (tree, shard rows) and its comparison with the cache
@@ -540,7 +540,7 @@ def _encoder_checks(mgr, wl: CPWorkload, sd: Dict[str, Any], iteration: int) -> 
         "rank": mgr.rank,
         "error": None,
         "shards": [list(shard_record(sh)) for sh in shards],
-        "objects": [list(object_record(o)) for o in tasd_mod._sharded_objects(sharded)],
+        "objects": [list(object_record(o)) for o in tasd_mod.sharded_objects(sharded)],
         "fp": structure_fingerprint(shards),
     }
     cid = CheckpointId(iteration, mgr.rank, mgr.session_id)
@@ -1010,7 +1010,7 @@ def _check_synthetic(lay: SimLayout, ranks: Sequence[_Rank]) -> None:
         sd = lay.state_dict(rank)
         sharded, *_ = tasd_mod.preprocess(sd)
         shards = tasd_mod._sharded_tensors(sharded)
-        objects = tasd_mod._sharded_objects(sharded)
+        objects = tasd_mod.sharded_objects(sharded)
         real = {
             "rank": rank,
             "error": None,

@@ -40,7 +40,7 @@ from ..parallel.resharding import (
     local_slices,
     plan_reshard,
 )
-from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict, PreparedTemplate
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict, PreparedTemplate, sharded_objects
 from ..replication.transport import Incoming, Outgoing
 from .metrics import LoadMetrics
 from .restore import Holdings
@@ -109,10 +109,9 @@ class ElasticLoad:
                     [i, st.key, dtype_name(st.dtype), list(st.global_shape), [list(b) for b in box_of(st)]]
                     for i, st in enumerate(template.shards)
                 ]
-                store = self.store
                 for owner, ranks in choice.holders.items():
                     if ranks[0] == self.rank:  # the lowest holder contributes the header
-                        headers[owner] = store.header_path(
+                        headers[owner] = self.store.header_path(
                             CheckpointId(it, owner, self.session_id)
                         ).read_bytes()
             except Exception as e:  # every rank raises together below
@@ -199,10 +198,8 @@ class ElasticLoad:
             if any(v is None for v in views):
                 outgoing.append(Outgoing(dst, b"", torch.empty(0, dtype=torch.uint8)))
                 continue
-            payload = torch.cat([v.contiguous().view(-1).view(torch.uint8) for v in views]) if views else None
-            outgoing.append(
-                Outgoing(dst, b"r", payload if payload is not None else torch.empty(0, dtype=torch.uint8))
-            )
+            payload = torch.cat([v.contiguous().view(-1).view(torch.uint8) for v in views])
+            outgoing.append(Outgoing(dst, b"r", payload))
         received: Dict[int, Tuple[bytes, torch.Tensor]] = {}
 
         def land(src: int):
@@ -322,15 +319,9 @@ def _parse_headers(gathered, iteration: int, n: int, session: str, allow_pickle:
             )
             for i, (st, lay) in enumerate(zip(metas, h.tensors))
         ]
-        objects = [o for o in _objects(hollow.sharded_state_dict) if o.data is not None]
+        objects = [o for o in sharded_objects(hollow.sharded_state_dict) if o.data is not None]
         out[owner] = _Parsed(h, shards, objects, hollow.common)
     return out
-
-
-def _objects(tree: Any) -> List[ShardedObject]:
-    from ..model.nested import nested_values
-
-    return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
 
 
 class _Sources:

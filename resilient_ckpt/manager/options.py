@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from ..errors import ValidationError
 from ..memory.store import DEFAULT_ROOT
+from ..replication.parity import check_parameters as check_parity_parameters
 
 PLACEMENTS = ("ring", "clique")
 REDUNDANCY = ("replicas", "parity")
@@ -153,13 +154,7 @@ def _check(opts: ManagerOptions) -> None:
     if rep.redundancy not in REDUNDANCY:
         raise ValidationError(f"redundancy must be 'replicas' or 'parity', got {rep.redundancy!r}")
     if rep.redundancy == "parity":
-        for name, v in (("parity_group", rep.parity_group), ("parity_shares", rep.parity_shares)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValidationError(f"{name} must be a positive integer, got {v!r}")
-        if rep.parity_shares > 2:
-            raise ValidationError(
-                f"parity_shares={rep.parity_shares} is not supported; use 1 (XOR) or 2 (Reed-Solomon)"
-            )
+        check_parity_parameters(rep.parity_group, rep.parity_shares)
         if rep.factor != ReplicationOptions.factor:
             raise ValidationError(
                 f"replication_factor={rep.factor} and redundancy='parity' are two redundancy schemes; "

@@ -201,7 +201,7 @@ def _sharded_tensors(tree: Any) -> List[ShardedTensor]:
     return [v for v in nested_values(tree) if isinstance(v, ShardedTensor)]
 
 
-def _sharded_objects(tree: Any) -> List[ShardedObject]:
+def sharded_objects(tree: Any) -> List[ShardedObject]:
     return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
 
 
@@ -236,7 +236,7 @@ def prepare_template(template: Any) -> PreparedTemplate:
         )
     sharded, common, nonpersistent, factories = preprocess(template or {})
     return PreparedTemplate(
-        sharded, common, nonpersistent, factories, _sharded_tensors(sharded), _sharded_objects(sharded)
+        sharded, common, nonpersistent, factories, _sharded_tensors(sharded), sharded_objects(sharded)
     )
 
 
@@ -515,7 +515,7 @@ def check_restorable(
             for h in saved
             for st in h.tensor_metadata
         ]
-        objects = [o for h in saved for o in _sharded_objects(h.sharded_state_dict)]
+        objects = [o for h in saved for o in sharded_objects(h.sharded_state_dict)]
         keys = {st.key for h in saved for st in _sharded_tensors(h.sharded_state_dict)}
         keys |= {o.key for o in objects}
         local.update(_load_facts(template.shards, template.objects, held, objects, keys, True, need_all=True))
@@ -558,7 +558,7 @@ def _same_structure(template: PreparedTemplate, saved: "MCoreTensorAwareStateDic
         t_rows == s_rows
         and t_skeleton == s_skeleton
         and [object_record(o) for o in template.objects]
-        == [object_record(o) for o in _sharded_objects(saved.sharded_state_dict)]
+        == [object_record(o) for o in sharded_objects(saved.sharded_state_dict)]
         and _str_keys_above_sharded(t_skeleton)
     )
 
@@ -661,7 +661,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 sharded, common, shards, objects = _from_parts(parts)
             else:
                 sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
-                shards, objects = _sharded_tensors(sharded), _sharded_objects(sharded)
+                shards, objects = _sharded_tensors(sharded), sharded_objects(sharded)
             _check_not_meta(shards)
         except Exception as e:  # reported to every rank by the planning collectives
             local_exc = e
@@ -1097,7 +1097,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
         for sid, t in (extra_held or {}).items():
             held.setdefault(sid, t)
-        held_objects = {o.object_id: o for o in _sharded_objects(self.sharded_state_dict)}
+        held_objects = {o.object_id: o for o in sharded_objects(self.sharded_state_dict)}
         ckpt_keys = {st.key for st in self._all_sharded_tensors()}
         ckpt_keys |= {o.key for o in held_objects.values()}
         req = _LoadRequest(

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Sequence, Set, Tuple
 
-from ..errors import NoReplicaError, ReplicationError
+from ..errors import NoReplicaError, ReplicationError, ValidationError
 
 #: block sizes are rounded up to this many bytes (vector width; int64 XOR needs 8)
 BLOCK_ALIGN = 64
@@ -113,6 +113,15 @@ def block_nbytes(member_nbytes: Sequence[int], k: int) -> int:
     return -(-per // BLOCK_ALIGN) * BLOCK_ALIGN
 
 
+def check_parameters(k: object, m: object) -> None:
+    """``parity_group`` (k) and ``parity_shares`` (m) as a user may pass them."""
+    for name, v in (("parity_group", k), ("parity_shares", m)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValidationError(f"{name} must be a positive integer, got {v!r}")
+    if m > 2:
+        raise ValidationError(f"parity_shares={m} is not supported; use 1 (XOR) or 2 (Reed-Solomon)")
+
+
 def parity_groups(world_size: int, ranks_per_node: int, k: int, m: int = 1) -> Tuple[ParityGroup, ...]:
     """Groups of ``k+m`` ranks, each on a different node, covering every rank once.
 
@@ -122,11 +131,7 @@ def parity_groups(world_size: int, ranks_per_node: int, k: int, m: int = 1) -> T
     is a mirror); fewer than ``m+1`` left over borrow ranks from the previous group, or join
     it when it has none to spare (a larger k, the same losses tolerated). Raises
     when the job has fewer than ``m+1`` nodes (no group could survive a loss)."""
-    for name, v in (("parity_group", k), ("parity_shares", m)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ReplicationError(f"{name} must be a positive integer, got {v!r}")
-    if m > 2:
-        raise ReplicationError(f"parity_shares={m} is not supported; use 1 (XOR) or 2 (Reed-Solomon)")
+    check_parameters(k, m)
     rpn = max(1, ranks_per_node)
     nodes = -(-world_size // rpn)
     if nodes < k + m:
