@@ -107,8 +107,10 @@ def _one_rank_raises_in_save(ctx):
 
 def test_a_state_function_raising_on_one_rank_fails_the_save_everywhere_and_the_job_goes_on(tmp_root):
     out = run_ranks(_one_rank_raises_in_save, WS, tmp_root, ranks_per_node=RPN, **RUN)
-    # 10: the first save (distribution not cached); 30: after a failed save dropped the cache.
-    for step, culprit in ((10, 3), (30, 1)):
+    # 10: the first save; 30: after a failed one; 60: a cached save (same structure as 50).
+    # Every save votes before staging, so each fails on every rank at once, the culprit with
+    # its own error and the others naming it.
+    for step, culprit in ((10, 3), (30, 1), (60, 2)):
         for r in range(WS):
             what, seconds = out[r][step]
             if r == culprit:
@@ -118,10 +120,6 @@ def test_a_state_function_raising_on_one_rank_fails_the_save_everywhere_and_the_
             assert seconds < 2 * TIMEOUT_S, (step, r, seconds)
     for r in range(WS):
         assert out[r][20] == out[r][40] == out[r][50] == ("complete", 0.0)
-        # 60: distribution cached again (no collective in save_local); the failure comes back
-        # through the save's agreement in the background.
-        assert out[r][60][0].startswith("own" if r == 2 else "failed: local checkpoint of iteration 60")
-        assert out[r][60][1] < 2 * TIMEOUT_S
         assert all(out[r][f"world_{s}"] for s in (10, 20, 30, 40, 50, 60)), "the job's all-reduce works"
         assert out[r]["load"] == 50
 

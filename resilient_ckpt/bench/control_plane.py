@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import math
 import os
@@ -171,12 +170,13 @@ _PKG = "resilient_ckpt."
 PHASES: Tuple[Tuple[str, str, str], ...] = (
     # structure walk: copying the tree, splitting common / sharded, listing ShardedTensors
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:preprocess", "phase"),
-    ("structure walk", _PKG + "parallel.tensor_aware_state_dict:_sharded_tensors", "phase"),
+    ("structure walk", _PKG + "parallel.tensor_aware_state_dict:sharded_tensors", "phase"),
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:sharded_objects", "phase"),
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:template_targets", "phase"),
     ("structure walk", _PKG + "manager.loading:template_targets", "phase"),
     # the cached save's one walk (tree, shard rows) and its comparison with the cache
     ("structure walk", _PKG + "manager.saving:snapshot_parts", "phase"),
+    ("fingerprint", _PKG + "manager.saving:SavePath._probe", "phase"),
     ("fingerprint", _PKG + "manager.saving:SavePath._stage_cached", "phase"),
     # fingerprint: the structure digest (first save), the cached distribution's check
     ("fingerprint", _PKG + "parallel.tensor_aware_state_dict:structure_fingerprint", "phase"),
@@ -214,7 +214,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("header: p2p exchange", _PKG + "replication.transport:P2PTransport._exchange_headers", "p2p"),
     # agreement and the fail-together votes
     ("agreement", _PKG + "manager.saving:SavePath._agree", "phase"),
-    ("vote", _PKG + "parallel.collectives:fail_together", "phase"),
+    ("vote", _PKG + "parallel.collectives:agree_or_fail", "phase"),
     # holdings
     ("holdings gather", _PKG + "manager.loading:gather_holdings", "phase"),
     ("holdings gather", _PKG + "manager.saving:gather_holdings", "phase"),
@@ -535,7 +535,7 @@ def _encoder_checks(mgr, wl: CPWorkload, sd: Dict[str, Any], iteration: int) -> 
     from ..parallel.distribution import structure_fingerprint
 
     sharded, *_ = tasd_mod.preprocess(sd)
-    shards = tasd_mod._sharded_tensors(sharded)
+    shards = tasd_mod.sharded_tensors(sharded)
     payload = {
         "rank": mgr.rank,
         "error": None,
@@ -922,10 +922,12 @@ def _records(lay: SimLayout, rank: int) -> List[list]:
 
 
 def _fingerprint_of(lay: SimLayout, rank: int) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for key, off, shape, _g, _m in lay.entries(rank):
-        h.update(repr((key, off, shape, "torch.float32")).encode())
-    return h.hexdigest()
+    from ..parallel.distribution import fingerprint_records
+
+    return fingerprint_records(
+        (key, tuple(off), tuple(shape), tuple(g), "float32", main, False)
+        for key, off, shape, g, main in lay.entries(rank)
+    )
 
 
 class _Rank:
@@ -1009,7 +1011,7 @@ def _check_synthetic(lay: SimLayout, ranks: Sequence[_Rank]) -> None:
     for rank in sorted({0, lay.world // 2, lay.world - 1}):
         sd = lay.state_dict(rank)
         sharded, *_ = tasd_mod.preprocess(sd)
-        shards = tasd_mod._sharded_tensors(sharded)
+        shards = tasd_mod.sharded_tensors(sharded)
         objects = tasd_mod.sharded_objects(sharded)
         real = {
             "rank": rank,
@@ -1102,7 +1104,7 @@ def _local_phases(lay: SimLayout, dist_, rows: Dict[str, Dict[str, float]]) -> N
 
     sd = lay.state_dict(0, data=True)
     t, (sharded, *_rest) = _timed(tasd_mod.preprocess, sd)
-    shards = tasd_mod._sharded_tensors(sharded)
+    shards = tasd_mod.sharded_tensors(sharded)
     rows["structure walk"] = dict(seconds=t)
     t, _ = _timed(structure_fingerprint, shards)
     rows["fingerprint"] = dict(seconds=t)

@@ -39,7 +39,6 @@ from ..errors import StoreError, ValidationError
 from ..memory.staging import SegmentPrefetcher, Stager
 from ..memory.store import DEFAULT_ROOT, CheckpointStore, validate_session_id
 from ..parallel import collectives
-from ..parallel.distribution import ShardDistribution
 from ..replication.parity import ParityGroup, parity_groups
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
@@ -308,16 +307,10 @@ class CheckpointManager(SavePath, LoadPath, ElasticLoad, Healing):
         self._par_group: Optional[dist.ProcessGroup] = None
         self._transport: Optional[P2PTransport] = None
         self._replicator: Optional[Replicator] = None
-        self._distribution: Optional[ShardDistribution] = None
-        #: what a cached save of the same plain structure reuses (manager.saving)
-        self._snapshot_cache = None
+        #: what the last general-path save established (distribution, and what a cached save
+        #: of the same structure reuses: manager.saving); None until then or after a failure
+        self._structure = None
         self._in_flight: Deque[Tuple[int, Future]] = deque()
-        #: jobs submitted so far (equal on every rank, see manager.saving)
-        self._seq = 0
-        #: sequence numbers of jobs whose agreement failed (written by the save thread)
-        self._failed_seqs: set = set()
-        #: failures up to this sequence number were already acted on
-        self._dist_checked_upto = -1
         self._last_saved = -1
         #: "tasd" or "dict": what save_local was given (decides whether a save is collective)
         self._kind: Optional[str] = None

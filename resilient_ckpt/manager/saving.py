@@ -39,14 +39,18 @@ from ..memory.store import (
     plan_layout_runs,
     writer_name,
 )
+from ..model.validation import object_record
 from ..parallel import collectives
-from ..parallel.distribution import ShardDistribution
+from ..parallel.distribution import ShardDistribution, structure_fingerprint
 from ..parallel.opaque_state_dict import OpaqueStateDict
 from ..parallel.tensor_aware_state_dict import (
     HollowEncoding,
     MCoreTensorAwareStateDict,
     SnapshotParts,
     encode_hollow,
+    preprocess,
+    sharded_objects,
+    sharded_tensors,
     snapshot_parts,
 )
 from .metrics import SaveHandle, SaveMetrics
@@ -77,7 +81,6 @@ class _SaveJob:
     staging: StagingHandle
     metrics: SaveMetrics
     t_start: float
-    seq: int = 0
 
 
 @dataclass
@@ -101,10 +104,11 @@ def _timed(metrics: SaveMetrics, field_name: str) -> Iterator[None]:
 
 @dataclass
 class _SnapshotCache:
-    """What a cached save of a plain state dict reuses (valid with ``distribution`` only)."""
+    """What a cached save of a plain state dict reuses: everything derived from its structure
+    (its rows, skeleton and object records, which ``encoding`` and ``objects`` hold)."""
 
-    distribution: Optional[ShardDistribution]
     encoding: HollowEncoding
+    objects: List[tuple]  # the ShardedObjects' records (keys, offsets: validated with the rest)
     saved: Tuple[bool, ...]
     layouts: List[TensorLayout]
     total: int
@@ -113,6 +117,40 @@ class _SnapshotCache:
 
     def __post_init__(self):
         self.saved_index = [i for i, s in enumerate(self.saved) if s]
+
+    def covers(self, parts: SnapshotParts) -> bool:
+        """``parts`` has exactly the structure this cache was made for."""
+        enc = self.encoding
+        return (
+            parts.rows == enc.rows
+            and parts.skeleton == enc.skeleton
+            and [object_record(o) for o in parts.objects] == self.objects
+        )
+
+
+@dataclass
+class _StructureCache:
+    """What the last general-path save established on this rank, in one collective round that
+    every rank took: the integrity check and the distribution for ``key`` (this rank's shard
+    and object records), and for a plain state dict everything a cached save reuses. Valid
+    for a save only if every rank's structure is its cache's (the save's vote decides)."""
+
+    key: str  # structure_fingerprint(shards, objects)
+    distribution: Optional[ShardDistribution]
+    snapshot: Optional[_SnapshotCache] = None
+
+
+@dataclass
+class _Probe:
+    """This rank's side of a save's structure vote: the state taken apart (one walk for a
+    plain state dict, ``preprocess`` otherwise) and whether the structure cache covers it."""
+
+    parts: Optional[SnapshotParts] = None
+    preprocessed: Optional[tuple] = None
+    covered: bool = False
+    #: covered plain state: the tensors this rank saves and their device types
+    tensors: List[Any] = field(default_factory=list)
+    devices: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -139,26 +177,28 @@ class SavePath:
         t0 = time.perf_counter()
         self._bound_queue()
         group = self._ckpt_group()
-        seq = self._seq
-        self._seq += 1
-        self._refresh_distribution(seq)
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
         try:
-            state_dict = self._prepare(state_dict, iteration)
+            state_dict, probe, cached = self._prepare(state_dict, iteration)
             # Objects are made per shard below (records, copies, layouts), none of them garbage:
             # a collection meanwhile would walk the trainer's whole heap, repeatedly.
             with paused_gc():
-                parts = _plain_parts(state_dict) if self._kind != "tasd" else None
-                if not self._stage_cached(parts, iteration, staged):
-                    self._stage(self._snapshot(state_dict, parts), iteration, staged, parts)
+                if cached and probe.parts is not None:
+                    self._stage_cached(probe, iteration, staged)
+                else:
+                    tasd = self._snapshot(state_dict, probe, cached)
+                    self._stage(tasd, iteration, staged, probe.parts)
         except BaseException as e:
+            # Whatever this save left half-made must not decide the next one: this rank's next
+            # vote says "not cached", so every rank takes the general path together.
+            self._structure = None
             self._release(staged)
-            self._submit_failed(iteration, seq, group, e)
+            self._submit_failed(iteration, group, e)
             raise
         metrics = SaveMetrics(
             iteration=iteration, bytes_staged=staged.header.data_nbytes, structure_cached=staged.cached
         )
-        job = _SaveJob(iteration, staged.segment, staged.header, staged.staging, metrics, t0, seq)
+        job = _SaveJob(iteration, staged.segment, staged.header, staged.staging, metrics, t0)
         self._last_saved = iteration
         self.latest_iteration = -1  # invalidates find_latest's cache, like nvidia-resiliency-ext
         future = self._worker.submit(self._finish_save, job, group)
@@ -171,17 +211,20 @@ class SavePath:
             handle.wait()
         return handle
 
-    def _prepare(self, state_dict: Any, iteration: int) -> Any:
-        """Stage 1: the state (a state function is called here), the iteration checked; the
-        first save of a job that did not restore retires an earlier run's newer data.
+    def _prepare(self, state_dict: Any, iteration: int) -> Tuple[Any, "_Probe", bool]:
+        """Stage 1: the state (a state function is called here), the iteration checked, the
+        structure vote; the first save of a job that did not restore retires an earlier run's
+        newer data. Returns the state, this rank's probe and whether every rank's structure
+        cache covers its state (then the save needs no other collective on this thread).
 
-        A save whose distribution is not cached is a collective step on this thread (the
-        distribution gather). Every rank votes before it, so a rank whose state function or
-        arguments fail takes every rank out of the step together instead of leaving them in
-        the gather (same decision on all ranks: the cache is dropped in step and the kind of
-        state is the same every save)."""
+        Every save of a sharded state dict votes, in one all-reduce that also carries
+        failures: a rank whose state function or arguments fail takes every rank out of the
+        save together, and a structure change on any rank (a key added, a tensor resized, a
+        shard moved) sends every rank down the general path, whose collective checks and
+        distribution then decide as on a first save. (A tensor-aware state dict built by the
+        caller — Megatron-LM's — has no caches and no collective here.)"""
         control = self._control_group()
-        collective = self._distribution is None and self._kind != "tasd"
+        probe = _Probe()
         local: Optional[BaseException] = None
         try:
             if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
@@ -189,36 +232,69 @@ class SavePath:
                 # job and votes: peers are told at once and job numbering stays in step.
                 state_dict = state_dict()
             self._check_iteration(iteration)
+            if not _is_tasd(state_dict):
+                with paused_gc():  # one object per shard, none of them garbage (see below)
+                    probe = self._probe(state_dict)
         except BaseException as e:
             local = e
-        if collective:
-            collectives.fail_together(local, f"preparing the save of iteration {iteration}", control)
+        cached = False
+        if self._kind != "tasd":  # the same on every rank: every save is of the same kind
+            what = f"preparing the save of iteration {iteration}"
+            cached = collectives.agree_or_fail(local, probe.covered, what, control)
         elif local is not None:
             raise local
         if not self._restored and not self._started:
             self._retire_earlier_run(iteration, control)
         self._started = True
-        return state_dict
+        return state_dict, probe, cached
 
-    def _snapshot(self, state_dict: Any, parts: Optional[SnapshotParts] = None) -> MCoreTensorAwareStateDict:
-        """Stage 2: the tensor-aware state dict of what this rank saves (its distribution
-        computed — collectively, every rank raising together — or reused from the cache)."""
-        if isinstance(state_dict, MCoreTensorAwareStateDict) or _is_foreign_tasd(state_dict):
+    def _probe(self, state_dict: Any) -> "_Probe":
+        """Take the state apart and compare its structure with this rank's cache (local)."""
+        cache = self._structure
+        parts = _plain_parts(state_dict)
+        if parts is not None:
+            snap = cache.snapshot if cache is not None else None
+            if snap is None or not snap.covers(parts):
+                return _Probe(parts=parts)
+            shards = parts.shards
+            tensors = [shards[i].data for i in snap.saved_index]
+            # Device types as pop_tensors records them (Tensor.device builds an object: slower).
+            devices = [("cpu" if t.is_cpu else t.device.type) for t in tensors]
+            # A tensor on the meta device: the general path names the error, on every rank.
+            return _Probe(parts=parts, covered="meta" not in devices, tensors=tensors, devices=devices)
+        pre = preprocess(state_dict)
+        sharded = pre[0]
+        key = structure_fingerprint(sharded_tensors(sharded), sharded_objects(sharded))
+        return _Probe(preprocessed=pre, covered=cache is not None and cache.key == key)
+
+    def _snapshot(self, state_dict: Any, probe: "_Probe", cached: bool) -> MCoreTensorAwareStateDict:
+        """Stage 2: the tensor-aware state dict of what this rank saves: its distribution
+        computed (collectively, every rank raising together; the structure cache renewed), or
+        — ``cached``: every rank's structure is its cache's — reused with no collective."""
+        if _is_tasd(state_dict):
             # Megatron-LM hands Megatron-core's class to a LocalCheckpointManager.
             self._kind = "tasd"
             if MCoreTensorAwareStateDict.can_adapt(state_dict):
                 return MCoreTensorAwareStateDict.adapt(state_dict)
             return OpaqueStateDict(state_dict, self.options.allow_pickle)
+        self._kind = "dict"
+        group = self._parallel_group()
+        if cached:
+            assert self._structure is not None and probe.preprocessed is not None
+            return MCoreTensorAwareStateDict.from_validated(
+                probe.preprocessed, self._structure.distribution, group
+            )[0]
+        self._structure = None  # until this round's collective checks pass
         tasd, distribution = MCoreTensorAwareStateDict.from_state_dict(
             state_dict,
             algo="fully_parallel",
-            parallelization_group=self._parallel_group(),
-            cached_metadata=self._distribution,
+            parallelization_group=group,
             validation_group=self._control_group(),
-            parts=parts,
+            parts=probe.parts,
         )
-        self._distribution = distribution or self._distribution
-        self._kind = "dict"
+        tree = tasd.sharded_state_dict
+        key = structure_fingerprint(sharded_tensors(tree), sharded_objects(tree))
+        self._structure = _StructureCache(key, distribution)
         return tasd
 
     def _stage(
@@ -237,11 +313,12 @@ class SavePath:
         self._start_copies(tensors, layouts, total, runs, iteration, staged)
         popped = tasd.pop_tensors()
         try:
-            if parts is not None and self._kind == "dict":
+            if parts is not None and self._kind == "dict" and self._structure is not None:
                 enc = tasd.hollow_encoding(allow_pickle=self.options.allow_pickle, parts=parts)
                 meta = enc.meta
-                self._snapshot_cache = _SnapshotCache(
-                    self._distribution, enc, tasd.saved_mask, layouts, total, RunPlan(runs, layouts)
+                objects = [object_record(o) for o in parts.objects]
+                self._structure.snapshot = _SnapshotCache(
+                    enc, objects, tasd.saved_mask, layouts, total, RunPlan(runs, layouts)
                 )
             else:
                 meta = tasd.to_bytes(allow_pickle=self.options.allow_pickle)
@@ -249,23 +326,14 @@ class SavePath:
             tasd.insert_tensors(popped)
         staged.header = self._header(iteration, layouts, total, meta)
 
-    def _stage_cached(self, parts: Optional[SnapshotParts], iteration: int, staged: "_Staged") -> bool:
-        """Stage 2+3 of a cached save, or False for the general path: when the state dict is
-        plain and its structure (tree, every shard's metadata, which shards hold data) is the
-        one the cache was made for, its distribution, hollow skeleton, shard table and layout
-        are reused; only the common state and ShardedObjects are encoded again. Produces the
-        same header as the general path (tests/test_save_cache.py)."""
-        cache = self._snapshot_cache
-        if parts is None or cache is None or cache.distribution is not self._distribution:
-            return False
-        if parts.rows != cache.encoding.rows or parts.skeleton != cache.encoding.skeleton:
-            return False
-        shards = parts.shards
-        tensors = [shards[i].data for i in cache.saved_index]
-        # Device types as pop_tensors records them (Tensor.device builds an object: slower).
-        devices = [("cpu" if t.is_cpu else t.device.type) for t in tensors]
-        if "meta" in devices:
-            return False  # the general path raises the error that names it
+    def _stage_cached(self, probe: "_Probe", iteration: int, staged: "_Staged") -> None:
+        """Stage 2+3 of a cached save (every rank's plain state dict has its cache's structure:
+        tree, every shard's and object's metadata): the distribution, hollow skeleton, shard
+        table and layout are reused; only the common state and ShardedObjects are encoded
+        again. Produces the same header as the general path (tests/test_save_cache.py)."""
+        assert self._structure is not None and self._structure.snapshot is not None
+        cache = self._structure.snapshot
+        parts, tensors, devices = probe.parts, probe.tensors, probe.devices
         self._start_copies(tensors, cache.layouts, cache.total, cache.plan.runs, iteration, staged)
         enc = cache.encoding
         meta = encode_hollow(
@@ -279,7 +347,6 @@ class SavePath:
         )
         staged.header = self._header(iteration, cache.layouts, cache.total, meta)
         staged.cached = True
-        return True
 
     def _start_copies(self, tensors, layouts, total: int, runs, iteration: int, staged: "_Staged") -> None:
         # Without a spare: a fresh segment, not populated here: the copy faults its pages in
@@ -356,32 +423,14 @@ class SavePath:
             )
         collectives.fail_together(local, "retiring an earlier run's checkpoints", control)
 
-    def _refresh_distribution(self, seq: int) -> None:
-        """Drop the cached distribution if a save up to ``seq - 2`` failed (a structure change
-        on some rank invalidates it everywhere).
-
-        Decided from jobs that are finished on every rank by now (``_bound_queue`` leaves at most
-        the previous job in flight), so all ranks drop it at the same save and the collective
-        that recomputes it pairs up. The previous job's outcome counts one save later.
-        """
-        horizon = seq - 2
-        if horizon <= self._dist_checked_upto:
-            return
-        with self._lock:
-            failed = any(self._dist_checked_upto < s <= horizon for s in self._failed_seqs)
-        self._dist_checked_upto = horizon
-        if failed:
-            self._distribution = None
-            self._snapshot_cache = None
-
-    def _submit_failed(self, iteration: int, seq: int, group, error: BaseException) -> None:
+    def _submit_failed(self, iteration: int, group, error: BaseException) -> None:
         """Queue the stand-in of a save that failed on this rank before it started."""
         logger.warning("save of iteration %s failed on rank %d: %s", iteration, self.rank, error)
-        future = self._worker.submit(self._fail_save, iteration, seq, group, error)
+        future = self._worker.submit(self._fail_save, iteration, group, error)
         with self._lock:
             self._in_flight.append((-1, future))
 
-    def _fail_save(self, iteration, seq: int, group, error: BaseException) -> None:
+    def _fail_save(self, iteration, group, error: BaseException) -> None:
         """Tell the peers at once: an empty replica to every holder, refuse incoming replicas,
         vote no. Nothing is discarded here (this rank created nothing for the save)."""
         if group is not None:
@@ -393,8 +442,6 @@ class SavePath:
                 collectives.all_agree(False, group)
             except Exception as e:
                 logger.debug("failed save of iteration %s: agreement: %s", iteration, e)
-        with self._lock:
-            self._failed_seqs.add(seq)
 
     def _replicate_nothing(self) -> None:
         if self._replicator is not None:
@@ -435,10 +482,6 @@ class SavePath:
         m.durable_s = time.perf_counter() - job.t_start
         if not agreed:
             self._discard_failed(job.iteration, outcome.received)
-            # A structure change on some rank invalidates the cached distribution everywhere
-            # (applied in step on every rank, see _refresh_distribution).
-            with self._lock:
-                self._failed_seqs.add(job.seq)
             raise CheckpointingException(
                 f"local checkpoint of iteration {job.iteration} is not complete on every rank "
                 f"(this rank: {'ok' if outcome.ok else repr(outcome.error)}); the previous complete "
@@ -522,7 +565,8 @@ class SavePath:
             self._retire()
         except OSError as e:  # the save itself is complete; retiring is retried next time
             logger.warning("could not retire old checkpoints in %s: %s", self.store.dir, e)
-        cache = self._snapshot_cache
+        structure = self._structure
+        cache = structure.snapshot if structure is not None else None
         plan = cache.plan if cache is not None and cache.total == job.header.data_nbytes else None
         try:
             job.metrics.store_bytes = self.store.store_bytes()
@@ -631,8 +675,9 @@ def _plain_parts(state_dict: Any) -> Optional[SnapshotParts]:
     return parts
 
 
-def _is_foreign_tasd(obj: Any) -> bool:
-    return isinstance(obj, TensorAwareStateDict) and not isinstance(obj, MCoreTensorAwareStateDict)
+def _is_tasd(obj: Any) -> bool:
+    """A tensor-aware state dict (ours, Megatron-core's, any other), not a sharded state dict."""
+    return isinstance(obj, TensorAwareStateDict)
 
 
 def _with_checksums(header: CheckpointHeader, segment: Segment) -> CheckpointHeader:

@@ -177,14 +177,26 @@ def fail_together(
 
     One all-reduce when every rank is fine; a second collective (the messages) only on failure.
     """
+    agree_or_fail(local, True, what, group)
+
+
+def agree_or_fail(
+    local: Optional[BaseException], agree: bool, what: str, group: Optional[dist.ProcessGroup] = None
+) -> bool:
+    """:func:`fail_together` that also carries a vote: True on every rank iff no rank failed
+    and every rank passed ``agree=True`` — in the same one all-reduce (a failure costs the
+    second collective, the messages, as in :func:`fail_together`)."""
     if group_size(group) == 1:
         if local is not None:
             raise local
-        return
-    if all_agree(local is None, group):
-        return
+        return agree
+    # 0: this rank failed; 1: no; 2: yes. The minimum says whether anyone failed, then the vote.
+    verdict = all_reduce_int(0 if local is not None else 2 if agree else 1, "min", group)
+    if verdict > 0:
+        return verdict == 2
     errors = all_gather_msgpack("" if local is None else describe(local), group)
     _raise_together(errors, what, local, group)
+    raise AssertionError("unreachable: a rank voted failure without an error")  # pragma: no cover
 
 
 def gather_or_fail(

@@ -19,14 +19,14 @@ import hashlib
 import heapq
 import logging
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ValidationError
 from ..model.mapping import ShardedTensor, ShardId
-from ..model.validation import shard_record
+from ..model.validation import object_record, shard_record
 from . import collectives
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,26 @@ class ShardDistribution:
         return max(self.rank_bytes) / (total / len(self.rank_bytes))
 
 
-def structure_fingerprint(shards: Sequence[ShardedTensor]) -> str:
-    """Digest of shard ids, shapes and dtypes: equal iff a cached distribution still applies."""
+def structure_fingerprint(shards: Sequence[ShardedTensor], objects: Sequence[Any] = ()) -> str:
+    """Digest of every shard's record (what the distribution and the integrity check read:
+    key, offset, extent, global shape, dtype, main replica or not, shape-mismatch flag) and,
+    when given, every ShardedObject's record: equal iff a cached distribution (and, with
+    ``objects``, the integrity check made with it) still applies."""
+    return fingerprint_records(map(shard_record, shards), map(object_record, objects))
+
+
+def fingerprint_records(shard_records: Iterable[tuple], object_records: Iterable[tuple] = ()) -> str:
+    """:func:`structure_fingerprint` of records already made (tuples, as ``shard_record`` and
+    ``object_record`` make them)."""
     h = hashlib.blake2b(digest_size=16)
-    for sh in shards:
-        h.update(repr((sh.key, sh.global_offset, sh.local_shape, str(sh.dtype))).encode())
+    for rec in shard_records:
+        h.update(repr(rec).encode())
+    first = True
+    for rec in object_records:
+        if first:
+            h.update(b"objects")
+            first = False
+        h.update(repr(rec).encode())
     return h.hexdigest()
 
 

@@ -197,7 +197,7 @@ def _raise_first_error(gathered: Sequence[dict], local_exc: Optional[BaseExcepti
     raise ValidationError(f"rank {r}{more} failed, so every rank stops: {msg}")
 
 
-def _sharded_tensors(tree: Any) -> List[ShardedTensor]:
+def sharded_tensors(tree: Any) -> List[ShardedTensor]:
     return [v for v in nested_values(tree) if isinstance(v, ShardedTensor)]
 
 
@@ -236,7 +236,7 @@ def prepare_template(template: Any) -> PreparedTemplate:
         )
     sharded, common, nonpersistent, factories = preprocess(template or {})
     return PreparedTemplate(
-        sharded, common, nonpersistent, factories, _sharded_tensors(sharded), sharded_objects(sharded)
+        sharded, common, nonpersistent, factories, sharded_tensors(sharded), sharded_objects(sharded)
     )
 
 
@@ -516,7 +516,7 @@ def check_restorable(
             for st in h.tensor_metadata
         ]
         objects = [o for h in saved for o in sharded_objects(h.sharded_state_dict)]
-        keys = {st.key for h in saved for st in _sharded_tensors(h.sharded_state_dict)}
+        keys = {st.key for h in saved for st in sharded_tensors(h.sharded_state_dict)}
         keys |= {o.key for o in objects}
         local.update(_load_facts(template.shards, template.objects, held, objects, keys, True, need_all=True))
     except Exception as e:  # reported to every rank below
@@ -641,16 +641,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         n = collectives.group_size(group)
         distribution = None
         if cached_metadata is not None:
-            # No collective on this path (that is the point of caching), so errors stay local.
-            sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
-            shards = _sharded_tensors(sharded)
-            _check_not_meta(shards)
-            if fully_parallel and n > 1:
-                me = collectives.group_rank(group)
-                check_cached(cached_metadata, shards, me, n)
-                distribution = cached_metadata
-                _drop_unsaved(shards, distribution, me)
-            return cls(common=common, sharded_state_dict=sharded), distribution
+            return cls.from_validated(
+                preprocess(sharded_state_dict), cached_metadata if fully_parallel else None, group
+            )
 
         local_exc: Optional[BaseException] = None
         sharded = common = None
@@ -661,7 +654,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 sharded, common, shards, objects = _from_parts(parts)
             else:
                 sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
-                shards, objects = _sharded_tensors(sharded), sharded_objects(sharded)
+                shards, objects = sharded_tensors(sharded), sharded_objects(sharded)
             _check_not_meta(shards)
         except Exception as e:  # reported to every rank by the planning collectives
             local_exc = e
@@ -677,6 +670,29 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             distribution = None  # validated; nothing to deduplicate
         if distribution is not None:
             _drop_unsaved(shards, distribution, collectives.group_rank(group))
+        return cls(common=common, sharded_state_dict=sharded, _listed=(sharded, shards)), distribution
+
+    @classmethod
+    def from_validated(
+        cls,
+        preprocessed: Tuple[Any, Any, Any, Any],
+        distribution: Optional[ShardDistribution],
+        group: Optional[dist.ProcessGroup],
+    ) -> Tuple["MCoreTensorAwareStateDict", Optional[ShardDistribution]]:
+        """:meth:`from_state_dict` without a collective, for a structure whose integrity and
+        ``distribution`` (None: nothing to deduplicate) were established by an earlier call:
+        ``preprocessed`` is :func:`preprocess` of the state dict. Errors stay local, so the
+        caller must know that every rank takes this path (a checkpoint manager votes on it)."""
+        sharded, common, _nonpersistent, _factories = preprocessed
+        shards = sharded_tensors(sharded)
+        _check_not_meta(shards)
+        n = collectives.group_size(group)
+        if distribution is not None and n > 1:
+            me = collectives.group_rank(group)
+            check_cached(distribution, shards, me, n)
+            _drop_unsaved(shards, distribution, me)
+        else:
+            distribution = None
         return cls(common=common, sharded_state_dict=sharded, _listed=(sharded, shards)), distribution
 
     # ---- tensor access -----------------------------------------------------------------
@@ -696,7 +712,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         """The tree's ShardedTensors (listed again if ``sharded_state_dict`` was replaced)."""
         listed = self._listed
         if listed is None or listed[0] is not self.sharded_state_dict:
-            listed = self._listed = (self.sharded_state_dict, _sharded_tensors(self.sharded_state_dict))
+            listed = self._listed = (self.sharded_state_dict, sharded_tensors(self.sharded_state_dict))
         return listed[1]
 
     def _saved_sharded_tensors(self) -> List[ShardedTensor]:
@@ -745,7 +761,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def holding_nothing(self) -> "MCoreTensorAwareStateDict":
         """The same structure and common state, holding no tensors: for a rank whose own saved
         shards are served by other ranks on load (its node was lost)."""
-        sts = _sharded_tensors(self.sharded_state_dict)
+        sts = sharded_tensors(self.sharded_state_dict)
         for st in sts:
             st.data = None
         return MCoreTensorAwareStateDict(
