@@ -41,6 +41,7 @@ def _check(state, step):
 
 def _mgr(tmp_root, **kw):
     kw.setdefault("replication_factor", 1)
+    kw.setdefault("keep_last", 2)  # these specify fallbacks to the previous complete iteration
     return CheckpointManager(kw.pop("session_id", "job"), store_root=str(tmp_root), **kw)
 
 

@@ -79,7 +79,7 @@ def _job(ctx):
 
     r, w = ctx.rank, ctx.world_size
     out = {}
-    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1)
+    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1, keep_last=2)
     tier = _tier(ctx)
     mgr.save_local(_sharded_state(10, r, w), 10, is_async=False)
     res = tier.flush(mgr.store, 10).wait()
@@ -371,7 +371,7 @@ def _fallback(ctx):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     r, w = ctx.rank, ctx.world_size
-    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1)
+    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1, keep_last=2)
     tier = _tier(ctx)
     for it in (10, 20):
         mgr.save_local(_sharded_state(it, r, w), it, is_async=False)
@@ -387,7 +387,7 @@ def _fallback(ctx):
         if cid.owner == 1:
             store.discard(cid, recycle=False)
     dist.barrier()
-    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1)
+    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1, keep_last=2)
     tier2 = _tier(ctx)
     restored = restore_latest(mgr, tier2, template)
     state = restored.state_dict
@@ -466,7 +466,7 @@ def test_periodic_flush_every_m_saves_keeps_last_k_and_sigterm_flushes_the_newes
 def _single_process_store(root: Path, iterations=(10,)):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
-    mgr = CheckpointManager(SESSION, str(root / "shm"), replication_factor=1)
+    mgr = CheckpointManager(SESSION, str(root / "shm"), replication_factor=1, keep_last=len(iterations))
     for it in iterations:
         model = _ddp_model(it)
         mgr.save_local(

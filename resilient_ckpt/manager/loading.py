@@ -166,8 +166,11 @@ class LoadPath:
         collectives.fail_together(local, f"restoring iteration {iteration}", self._control_group())
         t1 = time.perf_counter()
         state = _unborrow(self._fill(tasd, template, strict, extra), retrieved.borrowed_storages())
+        own_nbytes = retrieved.header.data_nbytes if retrieved.header is not None else 0
         del tasd, retrieved, extra
         self._heal_after_restore()
+        # The next save is of this size, usually: its segment is made (GPU state: locked) now.
+        self.prepare_next_segment(own_nbytes, any(t.is_cuda for t in targets.values()))
         m = self.last_load_metrics
         m.to_state_dict_s = time.perf_counter() - t1
         m.total_s = time.perf_counter() - t0
@@ -497,6 +500,7 @@ class LoadPath:
         never completed (a crash mid-save) or that cannot be restored. The restarted job saves
         those iterations again and must not find them taken. Other jobs' files (foreign) are
         left alone."""
+        self._close_own_segments(newer_than)
         try:
             cids = self.store.list()
             stale_parity = [

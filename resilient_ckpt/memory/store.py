@@ -46,7 +46,7 @@ import torch
 from .. import fork_safe_locks
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, StoreError, StoreFullError
 from ..gc_pause import paused_gc
-from . import checksum
+from . import checksum, pinning
 
 logger = logging.getLogger(__name__)
 
@@ -251,23 +251,6 @@ def unpack_envelope(raw: bytes, source: str, magic: str) -> Dict[str, Any]:
     return d
 
 
-_UNPINNABLE_WARNED: set = set()
-
-
-def _warn_unpinnable(path: Path, rc) -> None:
-    where = str(path.parent.parent)
-    if where in _UNPINNABLE_WARNED:
-        return
-    _UNPINNABLE_WARNED.add(where)
-    logger.warning(
-        "cudaHostRegister of store segments under %s failed (%s): GPU tensors are staged through "
-        "pageable memory (synchronous copies, slower). Fix: put the store root on a tmpfs such as "
-        "/dev/shm (store_root=...)",
-        where,
-        rc,
-    )
-
-
 def writer_name() -> str:
     """Who wrote a header: ``host:pid``."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -372,6 +355,7 @@ class Segment:
         else:
             self.buffer = torch.empty(0, dtype=torch.uint8)
         self.pinned = False
+        self._pin_lock = threading.Lock()
         self._views: Optional[Tuple[Any, List[Any]]] = None
 
     def keep_views(self, runs: Any, views: List[Any]) -> None:
@@ -418,26 +402,20 @@ class Segment:
             pass  # older kernel: pages fault in on first write instead
 
     def pin(self) -> bool:
-        """Page-lock the mapping for CUDA (D2H copies land here directly, asynchronously).
-        Returns whether it is pinned. Where the driver refuses (measured on an H200: a file on
-        a disk file system, not tmpfs, gives "invalid argument"), the segment stays pageable —
-        device copies into it are then synchronous, still correct — and one warning says so;
-        the CUDA error is cleared, so the trainer's next CUDA call does not inherit it."""
-        if self.pinned or not self.nbytes or not torch.cuda.is_available():
-            return self.pinned
-        cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
-        if int(rc) != 0:
-            cudart.cudaGetLastError()  # clears the sticky error of the failed registration
-            _warn_unpinnable(self.path, rc)
-            return False
-        self.pinned = True
-        return True
+        """Page-lock the mapping for CUDA (D2H copies land here directly, asynchronously);
+        returns whether it is pinned (see :func:`pinning.register`: measured on an H200, a file
+        on a disk file system, not tmpfs, cannot be). Slow: callers do it off the critical path
+        (the prefetcher's thread) and keep the segment mapped across saves."""
+        with self._pin_lock:  # the prefetcher's and the save thread's may meet here
+            if not self.pinned and self.nbytes and self._mmap is not None:
+                self.pinned = pinning.register(self.buffer, str(self.path.parent.parent))
+        return self.pinned
 
     def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self.pinned = False
+        with self._pin_lock:
+            if self.pinned:
+                pinning.unregister(self.buffer)
+                self.pinned = False
         # Never munmap explicitly: torch.frombuffer views keep a reference to the mmap object
         # but hold no buffer export, so mmap.close() would succeed under a live view and leave
         # it dangling (a later read segfaults). Dropping our references unmaps the segment as
@@ -747,10 +725,14 @@ class CheckpointStore:
         segment.path = target
         return cid
 
-    def release(self, segment: Segment) -> None:
-        """Return an unpublished segment to the pool (a save that failed before publish)."""
+    def release(self, segment: Segment, recycle: bool = True) -> None:
+        """Return an unpublished segment to the pool (a save that failed before publish, a
+        spare not needed), or free its memory (``recycle=False``)."""
         segment.close()
-        if segment.path.exists():
+        if not recycle:
+            with contextlib.suppress(FileNotFoundError):
+                segment.path.unlink()
+        elif segment.path.exists():
             with self._locked():
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(segment.path, self._pool_name())
@@ -963,6 +945,21 @@ class CheckpointStore:
         else:
             with contextlib.suppress(FileNotFoundError):
                 data.unlink()
+
+    def unpublish_mapped(self, cid: CheckpointId, segment: Segment) -> bool:
+        """Retire ``cid`` whose data ``segment`` this process still maps: header removed, data
+        renamed to a reservation of this process (other processes' pools never take it) and
+        the segment moved with it, ready to be written again. False (nothing done but the
+        header) if its data is gone."""
+        with contextlib.suppress(FileNotFoundError):
+            self.header_path(cid).unlink()
+        path = self.free_dir / f"rsv_{os.getpid()}_{time.time_ns()}_{next(_UNIQUE)}.data"
+        try:
+            os.replace(self.data_path(cid), path)
+        except FileNotFoundError:
+            return False
+        segment.path = path
+        return True
 
     def retain(
         self, keep_iterations: Iterable[int], owners: Optional[Iterable[int]] = None
