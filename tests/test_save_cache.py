@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
-from resilient_ckpt.memory.store import CheckpointId, dense_runs, plan_layout, plan_layout_runs
+from resilient_ckpt.memory.layout import CheckpointId, dense_runs, plan_layout, plan_layout_runs
 from resilient_ckpt.model import codec, shard_table
 from resilient_ckpt.model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from resilient_ckpt.model.nested import nested_values

@@ -206,8 +206,8 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("hollow encoding", _PKG + "manager.saving:encode_hollow", "encode"),
     # header: the tensor table, pack / unpack, the files
     ("layout planning", _PKG + "manager.saving:plan_layout_runs", "phase"),
-    ("header pack", _PKG + "memory.store:CheckpointHeader.pack", "encode"),
-    ("header unpack", _PKG + "memory.store:CheckpointHeader.unpack", "phase"),
+    ("header pack", _PKG + "memory.layout:CheckpointHeader.pack", "encode"),
+    ("header unpack", _PKG + "memory.layout:CheckpointHeader.unpack", "phase"),
     ("header publish", _PKG + "memory.store:CheckpointStore.publish", "phase"),
     ("header read", _PKG + "memory.store:CheckpointStore.read_header", "phase"),
     ("header read", _PKG + "memory.store:CheckpointStore.open", "phase"),
@@ -529,7 +529,7 @@ def _encoder_checks(mgr, wl: CPWorkload, sd: Dict[str, Any], iteration: int) -> 
     benchmark's byte counts must equal these (see the smoke test)."""
     import msgpack
 
-    from ..memory.store import CheckpointId
+    from ..memory.layout import CheckpointId
     from ..model.validation import object_record, shard_record
     from ..parallel import tensor_aware_state_dict as tasd_mod
     from ..parallel.distribution import structure_fingerprint
@@ -1098,7 +1098,7 @@ def _gather(make: Callable[[int], Any], world: int) -> Tuple[Dict[str, float], L
 def _local_phases(lay: SimLayout, dist_, rows: Dict[str, Dict[str, float]]) -> None:
     """Rank 0's local phases (no gathered data: independent of W but for the object grid):
     structure walk, fingerprint, hollow encoding / decoding, header pack / unpack."""
-    from ..memory.store import CheckpointHeader, plan_layout
+    from ..memory.layout import CheckpointHeader, plan_layout
     from ..parallel import tensor_aware_state_dict as tasd_mod
     from ..parallel.distribution import check_cached, structure_fingerprint
 

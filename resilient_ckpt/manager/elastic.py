@@ -27,7 +27,9 @@ import torch
 
 from ..errors import CorruptCheckpointError, ValidationError
 from ..memory import checksum
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, map_readonly
+from ..memory.layout import CheckpointHeader, CheckpointId
+from ..memory.reader import map_readonly
+from ..memory.store import CheckpointStore
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge
 from ..parallel import collectives

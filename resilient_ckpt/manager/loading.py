@@ -22,7 +22,7 @@ from ..errors import (
     PeerFailedError,
     StoreError,
 )
-from ..memory.store import CheckpointId
+from ..memory.layout import CheckpointId
 from ..model.nested import map_leaves
 from ..model.validation import StrictHandling
 from ..parallel import collectives

@@ -29,17 +29,17 @@ from ..errors import (
 )
 from ..gc_pause import paused_gc
 from ..memory import checksum, pinning
-from ..memory.staging import RunPlan, StagingHandle
-from ..memory.store import (
+from ..memory.layout import (
     CheckpointHeader,
     CheckpointId,
     ParityId,
-    Segment,
     TensorLayout,
     new_layout,
     plan_layout_runs,
     writer_name,
 )
+from ..memory.segment import Segment
+from ..memory.staging import RunPlan, StagingHandle
 from ..model.validation import object_record
 from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution, structure_fingerprint
