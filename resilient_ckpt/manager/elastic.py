@@ -42,7 +42,8 @@ from ..parallel.resharding import (
     local_slices,
     plan_reshard,
 )
-from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict, PreparedTemplate, sharded_objects
+from ..parallel.template import PreparedTemplate, sharded_objects
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.transport import Incoming, Outgoing
 from .metrics import LoadMetrics
 from .restore import Holdings
