@@ -23,7 +23,8 @@ from harness import node_store_root, run_ranks
 from resilient_ckpt import ShardedObject, ShardedTensor
 from resilient_ckpt.cli.inspect import convert_main, export_main, inspect_main
 from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError
-from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
+from resilient_ckpt.memory.layout import CheckpointId
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.persistent.layout import hollow_fqn
 from resilient_ckpt.persistent.local_load import load_metadata_only
 from resilient_ckpt.persistent.snapshot import StoreSnapshot

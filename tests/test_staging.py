@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from resilient_ckpt.manager.checkpoint_manager import MAX_ITERATION, CheckpointManager
+from resilient_ckpt.memory.layout import plan_layout
 from resilient_ckpt.memory.staging import SegmentPrefetcher, Stager
-from resilient_ckpt.memory.store import CheckpointStore, plan_layout
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.model.mapping import ShardedTensor
 
 pytestmark = [

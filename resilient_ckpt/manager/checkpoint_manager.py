@@ -36,8 +36,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from ..errors import StoreError, ValidationError
+from ..memory.segment import Segment
 from ..memory.staging import SegmentPrefetcher, Stager
-from ..memory.store import DEFAULT_ROOT, CheckpointStore, Segment, validate_session_id
+from ..memory.store import DEFAULT_ROOT, CheckpointStore, validate_session_id
 from ..parallel import collectives
 from ..replication.parity import ParityGroup, parity_groups
 from ..replication.parity_peer import ParityReplicator

@@ -27,7 +27,9 @@ import torch
 
 from ..errors import CorruptCheckpointError, ValidationError
 from ..memory import checksum
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, map_readonly
+from ..memory.layout import CheckpointHeader, CheckpointId
+from ..memory.reader import map_readonly
+from ..memory.store import CheckpointStore
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge
 from ..parallel import collectives
@@ -40,7 +42,8 @@ from ..parallel.resharding import (
     local_slices,
     plan_reshard,
 )
-from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict, PreparedTemplate, sharded_objects
+from ..parallel.template import PreparedTemplate, sharded_objects
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.transport import Incoming, Outgoing
 from .metrics import LoadMetrics
 from .restore import Holdings

@@ -23,18 +23,14 @@ from ..errors import (
     PeerFailedError,
     StoreError,
 )
-from ..memory.store import CheckpointId
+from ..memory.layout import CheckpointId
 from ..model.nested import map_leaves
 from ..model.validation import StrictHandling
 from ..parallel import collectives
+from ..parallel.load_checks import RestoreCheck, check_restorable
 from ..parallel.opaque_state_dict import is_opaque, load_opaque
-from ..parallel.tensor_aware_state_dict import (
-    MCoreTensorAwareStateDict,
-    RestoreCheck,
-    check_restorable,
-    prepare_template,
-    template_targets,
-)
+from ..parallel.template import prepare_template, template_targets
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import group_of
 from ..replication.parity_peer import rebuild_lost
 from ..replication.placement import plan_retrieval

@@ -25,7 +25,8 @@ from ..errors import (
     StoreError,
 )
 from ..memory import checksum
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, TensorLayout, failed_tensors
+from ..memory.layout import CheckpointHeader, CheckpointId, TensorLayout, failed_tensors
+from ..memory.store import CheckpointStore
 from ..memory.transfer import Read, read_into
 from ..parallel import collectives
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict

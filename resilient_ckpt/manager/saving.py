@@ -29,31 +29,25 @@ from ..errors import (
 )
 from ..gc_pause import paused_gc
 from ..memory import checksum, pinning
-from ..memory.staging import RunPlan, StagingHandle
-from ..memory.store import (
+from ..memory.layout import (
     CheckpointHeader,
     CheckpointId,
     ParityId,
-    Segment,
     TensorLayout,
     new_layout,
     plan_layout_runs,
     writer_name,
 )
+from ..memory.segment import Segment
+from ..memory.staging import RunPlan, StagingHandle
 from ..model.validation import object_record
 from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution, structure_fingerprint
+from ..parallel.hollow import HollowEncoding, encode_hollow
 from ..parallel.opaque_state_dict import OpaqueStateDict
-from ..parallel.tensor_aware_state_dict import (
-    HollowEncoding,
-    MCoreTensorAwareStateDict,
-    SnapshotParts,
-    encode_hollow,
-    preprocess,
-    sharded_objects,
-    sharded_tensors,
-    snapshot_parts,
-)
+from ..parallel.snapshot import SnapshotParts, snapshot_parts
+from ..parallel.template import preprocess, sharded_objects, sharded_tensors
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
 

@@ -29,7 +29,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..gc_pause import paused_gc
-from .store import CheckpointStore, DenseRun, Segment, TensorLayout, dense_runs
+from .layout import DenseRun, TensorLayout, dense_runs
+from .segment import Segment
+from .store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 

@@ -66,10 +66,10 @@ from ..memory.store import CheckpointStore
 from ..model.mapping import ShardedObject, apply_factory_merges
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge, split
 from ..parallel import collectives
+from ..parallel.template import preprocess as preprocess_template
 
 # The template preprocessing the memory tier's load uses (private there until parallel/ exports it).
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
-from ..parallel.tensor_aware_state_dict import preprocess as preprocess_template
 from ..replication.transport import new_checkpoint_group
 from .interface import DurableCheckpoint, FlushHandle, FlushResult, LoadReport
 from .layout import (
