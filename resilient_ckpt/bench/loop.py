@@ -43,6 +43,20 @@ def _private_bytes(pid: str = "self") -> int:
     return 0
 
 
+def _resident_unshared(pid: str = "self") -> int:
+    """Resident pages that are not shared memory (``RssAnon + RssFile``): RSS without the
+    store's tmpfs pages a process maps (counted once, as the store's bytes)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total
+
+
 def _children(pid: int) -> list:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -58,6 +72,8 @@ class PrivateMemory:
     def __init__(self, interval_s: float = 0.01):
         self.interval_s = interval_s
         self.peak = 0
+        #: peak of this process's RSS without shared memory (see _resident_unshared)
+        self.peak_unshared = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -65,6 +81,7 @@ class PrivateMemory:
         me = os.getpid()
         total = _private_bytes() + sum(_private_bytes(c) for c in _children(me))
         self.peak = max(self.peak, total)
+        self.peak_unshared = max(self.peak_unshared, _resident_unshared())
         return total
 
     def _run(self) -> None:

@@ -42,6 +42,7 @@ METRIC_LABELS = {
     "restore_node_loss_s": "restore after node loss",
     "peak_rss_save_bytes": "peak RSS save",
     "peak_rss_restore_bytes": "peak RSS restore",
+    "peak_unshared_restore_restart_bytes": "peak RSS restore, store pages excluded",
     "peak_private_restore_restart_bytes": "private memory, restore",
     "store_bytes_per_rank": "store bytes/rank",
     "host_bytes_per_rank": "host memory/rank",

@@ -372,6 +372,7 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
         "restore_s": t1 - t0,
         "peak_rss_bytes": peak,
         "peak_private_bytes": private.peak,
+        "peak_unshared_bytes": private.peak_unshared,
         "rss_reset": rss_reset,
         "rss_at_start_bytes": rss_start,
         "problems": problems,
@@ -600,6 +601,9 @@ def _restore_phases(
         per_rep[f"peak_rss_restore_{case}_bytes"].append(peak)
         per_rep.setdefault(f"peak_private_restore_{case}_bytes", [None] * rep).append(
             max(r["peak_private_bytes"] for r in res)
+        )
+        per_rep.setdefault(f"peak_unshared_restore_{case}_bytes", [None] * rep).append(
+            max(r["peak_unshared_bytes"] for r in res)
         )
         peaks.append(peak)
         starts.append(_max_or_none([r["rss_at_start_bytes"] for r in res]))

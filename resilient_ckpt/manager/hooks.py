@@ -123,23 +123,20 @@ class CheckpointHook:
         A failed copy does not raise here (this runs inside ``optimizer.step()``): the save
         fails and is reported like any failed save, by :meth:`step` or :meth:`finish`.
         """
-        handle, self._last = self._last, None
-        if handle is None:
-            return
-        try:
-            handle.wait_staged()
-        except Exception as e:  # reported through the save's handle
-            logger.debug("staging of step %d failed: %s", handle.iteration, e)
+        self._settle_latest(SaveHandle.wait_staged)
 
     def fence(self) -> None:
         """Order mutations after the latest save's copies without a CPU wait for GPU copies
         (see ``SaveHandle.fence``); runs before every ``optimizer.step()``. A failed copy does
         not raise here: the save fails and is reported like any failed save."""
+        self._settle_latest(SaveHandle.fence)
+
+    def _settle_latest(self, how) -> None:
         handle, self._last = self._last, None
         if handle is None:
             return
         try:
-            handle.fence()
+            how(handle)
         except Exception as e:  # reported through the save's handle
             logger.debug("staging of step %d failed: %s", handle.iteration, e)
 

@@ -303,7 +303,8 @@ class SegmentPrefetcher:
         self.pin = pin
         self._lock = threading.Lock()
         self._ready: Optional[Segment] = None
-        self._pending: Optional[Future] = None
+        self._pending: Optional[Future] = None  # a reservation (and its locking) being made
+        self._views_pending: Optional[Future] = None  # views of the ready segment being made
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-prefetch")
 
     def prefetch(self, nbytes: int, plan: Optional["RunPlan"] = None) -> None:
@@ -315,7 +316,7 @@ class SegmentPrefetcher:
                 return
             if self._ready is not None and self._ready.nbytes == nbytes:
                 if plan is not None and self._ready.views_for(plan.runs) is None:
-                    self._pending = self._pool.submit(self._prepare_views, self._ready, plan)
+                    self._views_pending = self._pool.submit(self._prepare_views, self._ready, plan)
                 return
             self._pending = self._pool.submit(self._reserve, nbytes, plan)
 
@@ -361,8 +362,9 @@ class SegmentPrefetcher:
     def take(self, nbytes: int, populate: bool = True) -> Segment:
         """A reserved segment of exactly ``nbytes`` (reserved now if none is ready, its pages
         populated up front only if ``populate``)."""
-        pending = self._pending
-        if pending is not None:
+        for pending in (self._pending, self._views_pending):
+            if pending is None:
+                continue
             try:
                 pending.result()
             except Exception as e:  # fall back to a synchronous reservation with its own error
