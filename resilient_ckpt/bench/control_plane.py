@@ -229,29 +229,21 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     # planning
     ("retrieval planning", _PKG + "manager.loading:plan_retrieval", "phase"),
     ("retrieval planning", _PKG + "manager.restore:plan_retrieval", "phase"),
-    ("exchange planning", _PKG + "parallel.tensor_aware_state_dict:plan_exchange", "phase"),
+    ("exchange planning", _PKG + "parallel.load_exchange:plan_exchange", "phase"),
     ("exchange planning", _PKG + "parallel.load_checks:plan_exchange", "phase"),
     # load checks (facts, the gathered verdict), template fill
     ("restore check", _PKG + "manager.loading:LoadPath._check_template", "phase"),
     ("restore check", _PKG + "manager.loading:check_restorable", "phase"),
-    (
-        "load facts",
-        _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict._gather_load_facts",
-        "phase",
-    ),
-    ("load verdict", _PKG + "parallel.tensor_aware_state_dict:load_verdict", "phase"),
+    ("load facts", _PKG + "parallel.load_exchange:_gather_load_facts", "phase"),
+    ("load verdict", _PKG + "parallel.load_exchange:load_verdict", "phase"),
     ("load verdict", _PKG + "parallel.load_checks:load_verdict", "phase"),
     (
         "to_state_dict (rest)",
         _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict.to_state_dict",
         "phase",
     ),
-    (
-        "objects exchange",
-        _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict._exchange_objects",
-        "phase",
-    ),
-    ("template fill", _PKG + "parallel.tensor_aware_state_dict:fill_template", "phase"),
+    ("objects exchange", _PKG + "parallel.load_exchange:_exchange_objects", "phase"),
+    ("template fill", _PKG + "parallel.load_exchange:fill_template", "phase"),
     ("template fill", _PKG + "manager.loading:_unborrow", "phase"),
     # data plane (reported so the operations add up; not the subject of this benchmark)
     ("staging start", _PKG + "manager.saving:SavePath._stage", "phase"),
@@ -262,7 +254,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("retrieval (data)", _PKG + "manager.loading:retrieve", "phase"),
     ("local replica shards", _PKG + "manager.loading:LoadPath._extra_shards", "phase"),
     ("rebuild", _PKG + "manager.loading:LoadPath._decode", "phase"),
-    ("data exchange", _PKG + "parallel.tensor_aware_state_dict:execute_exchange", "phase"),
+    ("data exchange", _PKG + "parallel.load_exchange:execute_exchange", "phase"),
     # housekeeping
     ("group setup", _PKG + "manager.checkpoint_manager:CheckpointManager._ckpt_group", "phase"),
     ("retire earlier run", _PKG + "manager.saving:SavePath._retire_earlier_run", "phase"),

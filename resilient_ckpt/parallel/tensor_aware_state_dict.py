@@ -13,8 +13,9 @@ nvidia-resiliency-ext's ``LocalCheckpointManager`` accept it), with these differ
 
 Its collaborators: :mod:`.template` (a state dict or template taken apart), :mod:`.snapshot`
 (the cached save's one walk), :mod:`.hollow` (the hollow bytes), :mod:`.load_checks` (the
-gathered load verdict, :func:`~.load_checks.check_restorable`) and :mod:`.fill` (writing the
-restored data into the template).
+gathered load verdict, :func:`~.load_checks.check_restorable`), :mod:`.load_exchange`
+(``to_state_dict``: the fully-parallel load exchange and the fill, on what the checkpoint
+holds) and :mod:`.fill` (writing the restored data into the template).
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ from ..errors import HollowStateError, ValidationError
 from ..model import codec, shard_table
 from ..model.mapping import ShardedObject, ShardedTensor
 from ..model.mapping import adapt as _adapt_leaf
-from ..model.nested import fill_holes, map_leaves, merge
+from ..model.nested import map_leaves
 from ..model.validation import (
     StrictHandling,
     object_record,
-    parse_strict_flag,
     shard_record,
     validate_sharding_integrity,
 )
@@ -46,32 +46,14 @@ from .distribution import (
     compute_distribution,
     structure_fingerprint,
 )
-from .exchange import ExchangePlan, check_algo, dtype_name, execute_exchange, plan_exchange
-from .fill import allocator, fill_template
 from .hollow import HOLLOW_FORMAT, HollowEncoding, encode_hollow, hollow_parts, tree_from_skeleton
-from .load_checks import (
-    LoadRequest,
-    absent_error,
-    gather_facts,
-    load_facts,
-    load_verdict,
-    raise_absent,
-    raise_first_error,
-)
-from .sharded_planning import plan_exchange_sharded, plan_sharded, use_sharded_planning
+from .load_checks import gather_facts, raise_first_error
+from .load_exchange import HeldCheckpoint, LoadOptions, check_algo, load_into
+from .sharded_planning import plan_sharded, use_sharded_planning
 from .snapshot import SnapshotParts, from_parts
-from .template import prepare_template, preprocess, shard_targets, sharded_objects, sharded_tensors
+from .template import preprocess, sharded_objects, sharded_tensors
 
 logger = logging.getLogger(__name__)
-
-
-ALGOS = ("atomic", "fully_parallel")
-
-
-def _check_algo(algo: str) -> bool:
-    if algo not in ALGOS:
-        raise ValidationError(f"unknown algo {algo!r}; use 'atomic' or 'fully_parallel'")
-    return algo == "fully_parallel"
 
 
 def _check_not_meta(shards: Sequence[ShardedTensor]) -> None:
@@ -176,7 +158,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         manager's timeout and the job's own groups are never used). ``parts`` (our extension):
         :func:`snapshot_parts` of ``sharded_state_dict``, when the caller has them: the tree is
         then rebuilt from them instead of walked again."""
-        fully_parallel = _check_algo(algo)
+        fully_parallel = check_algo(algo)
         group = collectives.default_group(parallelization_group)
         n = collectives.group_size(group)
         distribution = None
@@ -501,236 +483,31 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         ``validate_access_integrity``, else over the group), then the exchange within the group;
         every error found before the exchange is raised on all ranks together.
         """
-        group = collectives.default_group(parallelization_group)
-        n = collectives.group_size(group)
-        me = collectives.group_rank(group)
-        args = (sharded_state_dict, algo, exchange_algo, strict, extra_held)
-        if same_structure and algo == "fully_parallel":
-            return self._fill_same_structure(args, group, n, load_into_template, return_mismatch_keys)
-        # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
-        # sees only part of each tensor-parallel tensor.
-        req, scope, members = self._gather_load_facts(
-            args,
-            group,
-            validate_access_integrity,
-            validation_group,
-        )
-        result = map_leaves(lambda v: v, self.common)
-        merge(result, req.nonpersistent)
-        if not any(g["requested"] for g in members):
-            # Nothing requested anywhere (Megatron returns the common state for an empty
-            # template): no exchange, no strictness verdict.
-            result = fill_holes(result)
-            return (result, set(), set()) if return_mismatch_keys else result
-        plan, ckpt_keys, unexpected, missing = load_verdict(
-            scope, members, me, req.strict, req.fully_parallel, validate_access_integrity, logger
-        )
-        # Objects the rank lacks come from a rank that holds them (small; msgpack codec).
-        objects = self._exchange_objects(members, req.held_objects, group, n, me, ckpt_keys)
-        targets = shard_targets(req.template_shards) if load_into_template else {}
-        loaded = dict(req.held)
-        if n > 1:
-            loaded.update(
-                execute_exchange(
-                    plan, req.held, allocator(targets, self._load_device()), group, req.exchange_algo
-                )
-            )
-        merge(result, fill_template(req, loaded, targets, objects, unexpected))
-        result = fill_holes(result)
-        if req.strict == StrictHandling.IGNORE_ALL:
-            missing, unexpected = set(), set()
-        elif req.strict == StrictHandling.ASSUME_OK_UNEXPECTED:
-            missing = set()
-        return (result, missing, unexpected) if return_mismatch_keys else result
-
-    def _fill_same_structure(self, args, group, n, load_into_template, return_mismatch_keys):
-        """``to_state_dict`` for a template of this checkpoint's own structure on every rank:
-        only the shards ranks lack are looked up — one gather of them and (only if any) one of
-        who holds them; from SHARDED_PLANNING_MIN_WORLD ranks, planned by key instead
-        (``plan_exchange_sharded``: each rank's traffic is its own needs and holdings)."""
-        if use_sharded_planning(n):
-            req, plan = self._plan_same_structure_sharded(args, group)
-            exchange_algo = "p2p"  # each rank knows its own transfers only
-        else:
-            req, plan = self._plan_same_structure_gathered(args, group, n)
-            exchange_algo = req.exchange_algo
-        targets = shard_targets(req.template_shards) if load_into_template else {}
-        loaded = dict(req.held)
-        if plan.transfers:
-            loaded.update(
-                execute_exchange(
-                    plan, req.held, allocator(targets, self._load_device()), group, exchange_algo
-                )
-            )
-        result = map_leaves(lambda v: v, self.common)
-        merge(result, req.nonpersistent)
-        merge(result, fill_template(req, loaded, targets, {}, set()))
-        result = fill_holes(result)
-        return (result, set(), set()) if return_mismatch_keys else result
-
-    def _prepare_or_fail_together(self, args, group) -> "LoadRequest":
-        local_exc: Optional[BaseException] = None
-        req = None
-        try:
-            req = self._prepare_load(*args)
-        except Exception as e:  # reported to every rank below
-            local_exc = e
-        collectives.gather_or_fail(None, local_exc, "preparing the restore", group)
-        assert req is not None
-        return req
-
-    def _plan_same_structure_sharded(self, args, group):
-        req = self._prepare_or_fail_together(args, group)
-        held = req.held
-        need = [(st.key, st.global_offset) for st in req.template_shards if st.shard_id not in held]
-        holdings = [(sid[0], sid[1], dtype_name(t.dtype), tuple(t.shape)) for sid, t in held.items()]
-        plan, first_absent = plan_exchange_sharded(need, holdings, group)
-        if first_absent is not None:
-            dst, sid = first_absent
-            raise absent_error(collectives.global_rank(group, dst), sid)
-        return req, plan
-
-    def _plan_same_structure_gathered(self, args, group, n):
-        local_exc: Optional[BaseException] = None
-        req: Optional[LoadRequest] = None
-        facts: Dict[str, Any] = {"rank": collectives.world_rank(), "error": None, "need": [], "held": []}
-        try:
-            req = self._prepare_load(*args)
-            held = req.held
-            facts["need"] = [
-                [st.key, list(st.global_offset)] for st in req.template_shards if st.shard_id not in held
-            ]
-        except Exception as e:  # reported to every rank below
-            local_exc = e
-            facts["error"] = f"{type(e).__name__}: {e}"
-        members = collectives.all_gather_msgpack(facts, group) if n > 1 else [facts]
-        raise_first_error(members, local_exc)
-        assert req is not None
-        wanted = {(key, tuple(off)) for g in members for key, off in g["need"]}
-        plan = ExchangePlan((), {})
-        if wanted:
-            held_wanted = [
-                [sid[0], list(sid[1]), dtype_name(t.dtype), list(t.shape)]
-                for sid, t in req.held.items()
-                if sid in wanted
-            ]
-            holders = collectives.all_gather_msgpack(held_wanted, group) if n > 1 else [held_wanted]
-            plan, absent = plan_exchange([{"need": g["need"], "held": h} for g, h in zip(members, holders)])
-            raise_absent(absent, members, None)
-        return req, plan
-
-    def _gather_load_facts(self, args, group, validate, validation_group):
-        """Local preparation, then the one metadata all-gather. A local error is not raised
-        here but travels with the gather, so every rank raises together instead of leaving
-        peers in a collective. Returns (this rank's request, the scope's facts, the group's)."""
-        local_exc: Optional[BaseException] = None
-        req: Optional[LoadRequest] = None
-        facts: Dict[str, Any] = {
-            "rank": collectives.world_rank(),
-            "error": None,
-            **load_facts((), (), (), (), (), False),
-        }
-        try:
-            req = self._prepare_load(*args)
-            facts.update(req.facts(validate))
-        except Exception as e:  # reported to every rank below
-            local_exc = e
-            facts["error"] = f"{type(e).__name__}: {e}"
-        scope, members = gather_facts(facts, group, world_scope=validate, scope_group=validation_group)
-        raise_first_error(scope, local_exc)
-        assert req is not None
-        return req, scope, members
-
-    def _prepare_load(self, template, algo, exchange_algo, strict, extra_held) -> "LoadRequest":
-        """The local half of a load (no collective): parse the arguments and the template,
-        list what this rank holds. Raises on a bad argument or a local shape mismatch."""
         if self._is_hollow:
             raise HollowStateError("to_state_dict() on a hollow state dict; insert_tensors() first")
-        fully_parallel = _check_algo(algo)
-        exchange_algo = check_algo(exchange_algo)
-        strict = parse_strict_flag(strict)
-        prepared = prepare_template(template)
-        held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
-        for sid, t in (extra_held or {}).items():
-            held.setdefault(sid, t)
-        held_objects = {o.object_id: o for o in sharded_objects(self.sharded_state_dict)}
-        ckpt_keys = {st.key for st in self._all_sharded_tensors()}
-        ckpt_keys |= {o.key for o in held_objects.values()}
-        req = LoadRequest(
-            prepared.sharded,
-            prepared.nonpersistent,
-            prepared.factories,
-            prepared.shards,
-            prepared.objects,
-            held,
-            held_objects,
-            ckpt_keys,
-            fully_parallel,
-            exchange_algo,
-            strict,
+        return load_into(
+            self.held(extra_held),
+            sharded_state_dict,
+            LoadOptions(
+                algo=algo,
+                exchange_algo=exchange_algo,
+                validate_access_integrity=validate_access_integrity,
+                strict=strict,
+                return_mismatch_keys=return_mismatch_keys,
+                load_into_template=load_into_template,
+                same_structure=same_structure,
+            ),
+            collectives.default_group(parallelization_group),
+            validation_group,
         )
-        self._check_local_shapes(req.template_shards, held)
-        return req
 
-    def _load_device(self) -> torch.device:
-        for st in self._saved_sharded_tensors():
-            return st.data.device
-        return torch.device("cpu")
-
-    @staticmethod
-    def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict) -> None:
-        for st in template_shards:
-            t = held.get(st.shard_id)
-            if t is None:
-                continue
-            if t.dtype != st.dtype:
-                raise ValidationError(
-                    f"{st.key!r} at offset {st.global_offset}: checkpoint has dtype {t.dtype}, the "
-                    f"state dict asks for {st.dtype}"
-                )
-            if tuple(t.shape) != st.local_shape and not st.allow_shape_mismatch:
-                raise ValidationError(
-                    f"{st.key!r} at offset {st.global_offset}: checkpoint has shape "
-                    f"{tuple(t.shape)}, the state dict asks for {st.local_shape} (set "
-                    "allow_shape_mismatch=True to accept the stored shape)"
-                )
-
-    def _exchange_objects(self, members, held_objects, group, n, me, ckpt_keys) -> Dict:
-        # Objects of keys no checkpoint has are unexpected keys: strictness handled them.
-        wanted = set()
-        for g in members:
-            for key, off, shape in g["need_obj"]:
-                if key in ckpt_keys:
-                    wanted.add((key, tuple(off), tuple(shape)))
-        if not wanted:
-            return {}
-        holders: Dict[Tuple, int] = {}
-        for r, g in enumerate(members):
-            for key, off, shape in g["held_obj"]:
-                holders.setdefault((key, tuple(off), tuple(shape)), r)
-        # (Every wanted object has a holder: load_verdict checked it.)
-        mine = {oid: held_objects[oid].data for oid, r in holders.items() if r == me and oid in wanted}
-        # An unencodable object must not leave the other ranks waiting: the error travels in
-        # the gathered bytes (first byte 1) and every rank raises.
-        local_exc = None
-        try:
-            payload = b"\x00" + codec.encode(
-                [[[oid[0], list(oid[1]), list(oid[2])], v] for oid, v in mine.items()]
-            )
-        except Exception as e:
-            local_exc = e
-            payload = b"\x01" + f"{type(e).__name__}: {e}".encode("utf-8", "replace")
-        blobs = collectives.all_gather_bytes(payload, group) if n > 1 else [payload]
-        failed = [(r, b[1:].decode("utf-8", "replace")) for r, b in enumerate(blobs) if b[:1] == b"\x01"]
-        if failed:
-            if local_exc is not None:
-                raise local_exc
-            r, msg = failed[0]
-            raise ValidationError(
-                f"rank {members[r]['rank']} could not send its ShardedObjects, so every rank stops: {msg}"
-            )
-        out = {}
-        for blob in blobs:
-            for (key, off, shape), v in codec.decode(memoryview(blob)[1:]):
-                out[(key, tuple(off), tuple(shape))] = v
-        return out
+    def held(self, extra: Optional[Dict[Any, torch.Tensor]] = None) -> HeldCheckpoint:
+        """What this checkpoint gives a load: its common state, the shards it holds by shard id
+        (and ``extra`` ones, e.g. a lost rank's replica this rank serves), its objects, keys."""
+        held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
+        for sid, t in (extra or {}).items():
+            held.setdefault(sid, t)
+        objects = {o.object_id: o for o in sharded_objects(self.sharded_state_dict)}
+        keys = {st.key for st in self._all_sharded_tensors()} | {o.key for o in objects.values()}
+        device = next((st.data.device for st in self._saved_sharded_tensors()), torch.device("cpu"))
+        return HeldCheckpoint(self.common, held, objects, keys, device)
