@@ -10,9 +10,10 @@
   wait), and before a save it waits for the previous one (a bounded queue). The state
   restored afterwards is not checked here: the save phase's bit-exact restore checks the
   same ordering.
-* :class:`PrivateMemory`: the peak of private resident memory (``Pss_Anon``: heap, private
-  copies, page-locked host allocations where the driver counts them there; a forked writer's
-  copy-on-write pages counted once) of this process and its children, sampled every 10 ms. With the store's bytes (tmpfs files, shared) it is
+* :class:`PrivateMemory`: the peak of private resident memory (``RssAnon``: heap, private
+  copies, page-locked host allocations where the driver counts them there) of this process
+  and (``Pss_Anon``: a forked writer's copy-on-write pages counted once) its children,
+  sampled every 10 ms (children every 100 ms). With the store's bytes (tmpfs files, shared) it is
   what a node must have: counting ``VmHWM`` instead would count the store's pages twice in a
   process that maps them.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 SAVE_EVERY = 4
 #: compute between two saves, as a multiple of the save's time to durable
@@ -43,18 +44,21 @@ def _private_bytes(pid: str = "self") -> int:
     return 0
 
 
-def _resident_unshared(pid: str = "self") -> int:
-    """Resident pages that are not shared memory (``RssAnon + RssFile``): RSS without the
-    store's tmpfs pages a process maps (counted once, as the store's bytes)."""
-    total = 0
+def _status_bytes() -> Tuple[int, int]:
+    """This process's private memory (``RssAnon``) and its resident pages that are not shared
+    memory (``RssAnon + RssFile``: RSS without the store's tmpfs pages it maps, which count
+    once, as the store's bytes)."""
+    anon = file = 0
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(("RssAnon:", "RssFile:")):
-                    total += int(line.split()[1]) * 1024
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+                elif line.startswith("RssFile:"):
+                    file = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return total
+    return anon, anon + file
 
 
 def _children(pid: int) -> list:
@@ -74,14 +78,22 @@ class PrivateMemory:
         self.peak = 0
         #: peak of this process's RSS without shared memory (see _resident_unshared)
         self.peak_unshared = 0
+        self._tick = 0
+        self._children = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def sample(self) -> int:
-        me = os.getpid()
-        total = _private_bytes() + sum(_private_bytes(c) for c in _children(me))
+        # /proc/<pid>/status is cheap; smaps_rollup walks the page tables (with the mmap lock
+        # held: sampled every 10 ms it slowed every process measured, the reference's too), so
+        # it is read only for children (a forked writer's copy-on-write pages), every 100 ms.
+        own, unshared = _status_bytes()
+        self._tick += 1
+        if self._tick % 10 == 1:
+            self._children = sum(_private_bytes(c) for c in _children(os.getpid()))
+        total = own + self._children
         self.peak = max(self.peak, total)
-        self.peak_unshared = max(self.peak_unshared, _resident_unshared())
+        self.peak_unshared = max(self.peak_unshared, unshared)
         return total
 
     def _run(self) -> None:

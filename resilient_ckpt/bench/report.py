@@ -272,7 +272,7 @@ def _render_every_save(runs: List[Dict[str, Any]], con) -> None:
     """What the table's medians summarise: the stall of every save from the first after a
     start (no warm-up hidden), and how host memory is counted."""
     con.print(
-        "host memory/rank: store bytes/rank + peak private memory (Pss_Anon of the rank and its "
+        "host memory/rank: store bytes/rank + peak private memory (RssAnon of the rank, Pss_Anon of its "
         "children, sampled) + page-locked host allocations, during the saves",
         markup=False,
         highlight=False,

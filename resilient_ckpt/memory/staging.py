@@ -339,8 +339,12 @@ class SegmentPrefetcher:
         mapped) as the spare, unless one is ready or being made; returns whether it was kept."""
         with self._lock:
             busy = self._ready is not None or (self._pending is not None and not self._pending.done())
-        if not busy:
-            self._set_ready(seg)
+            if not busy:
+                self._ready = seg
+                # Replication dropped its pages from this process's page tables as they were
+                # sent (the trainer's RSS stays flat): map them back now, off the save's path,
+                # or the next save's copy takes a fault per page.
+                self._views_pending = self._pool.submit(seg.populate_pages, 0, seg.nbytes)
         return not busy
 
     def has_ready(self, nbytes: int, pinned: bool = False) -> bool:
