@@ -669,11 +669,14 @@ class SavePath:
             self._own_segments.pop(it).close()
 
     def prepare_next_segment(self, nbytes: int, gpu: bool) -> None:
-        """Have the next save's segment (``nbytes``) made ahead, page-locked for GPU state, on
+        """GPU state: have the next save's segment (``nbytes``) made and page-locked ahead, on
         the prefetcher's thread (after a restore: the restored state's size is the next
-        save's, usually)."""
-        if gpu:
-            self._prefetcher.pin = True
+        save's, usually), so locking never sits on a save's path. CPU state is left as it
+        is: its first save populates its own pages (a prefetch here would compete with the
+        other ranks' restores for the cores)."""
+        if not gpu:
+            return
+        self._prefetcher.pin = True
         if self.spare_segment and nbytes:
             self._prefetcher.prefetch(nbytes)
 
