@@ -459,12 +459,22 @@ class P2PTransport:
             involved = sorted({op.peer for op in ops})
             peers = "ranks " + ", ".join(map(str, involved))
             what = f"{step} with {peers}"
-        return ReplicationError(
-            f"replication between rank {self.rank} and {peers} failed while {what} "
-            f"(step: {step}; timeout {self.timeout_s:g} s): {type(cause).__name__}: {cause}. The "
-            f"peer is dead, stuck or unreachable; this checkpoint group is no longer usable — "
-            f"create a new one with new_checkpoint_group() after the job's membership is settled"
+        peer_ranks = (ops[index].peer,) if index is not None else tuple(sorted({op.peer for op in ops}))
+        return _with_peers(
+            ReplicationError(
+                f"replication between rank {self.rank} and {peers} failed while {what} "
+                f"(step: {step}; timeout {self.timeout_s:g} s): {type(cause).__name__}: {cause}. The "
+                f"peer is dead, stuck or unreachable; this checkpoint group is no longer usable — "
+                f"create a new one with new_checkpoint_group() after the job's membership is settled"
+            ),
+            peer_ranks,
         )
+
+
+def _with_peers(error: ReplicationError, peers: Sequence[int]) -> ReplicationError:
+    """``error`` with ``peers``: the ranks it concerns (callers that know nodes name them)."""
+    error.peers = tuple(peers)
+    return error
 
 
 def _describe(x: object) -> str:
