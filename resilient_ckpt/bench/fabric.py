@@ -485,6 +485,16 @@ class Fabric:
         stats = Path("/sys/class/net") / self.host_end(node) / "statistics"
         return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
+    def dropped_packets(self, node: int) -> int:
+        """Packets node ``node``'s link dropped on purpose so far (loss, black hole; both ends)."""
+        total = 0
+        for netns, dev in ((None, self.host_end(node)), (self.netns(node), self.ifname(node))):
+            argv = ["tc", *(["-n", netns] if netns else []), "-s", "qdisc", "show", "dev", dev]
+            text = _run(argv).stdout
+            m = re.search(r"qdisc pfifo 20: .*?\n\s*Sent \d+ bytes \d+ pkt \(dropped (\d+)", text)
+            total += int(m.group(1)) if m else 0
+        return total
+
     # -- processes ---------------------------------------------------------------------------
 
     def command(self, node: int, argv: Sequence[str]) -> List[str]:
