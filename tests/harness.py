@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from resilient_ckpt.bench.fabric import Fabric, NodeNet, enter
+from resilient_ckpt.bench.fabric import Fabric, NodeNet, join
 
 
 class _Killed:
@@ -78,19 +78,16 @@ class RankFailed(AssertionError):
 
 
 def _entry(fn, ctx: RankContext, port: int, args, result_q, timeout_s: float) -> None:
-    if ctx.net is not None:
-        enter(ctx.net)  # before any socket or thread exists: they all live in the node's namespace
-    master = ctx.net.master_addr if ctx.net is not None else "127.0.0.1"
+    node_env = join(ctx.net)  # before any socket or thread exists: they all live on the node
+    master = node_env["MASTER_ADDR"]
     os.environ.update(
         {
-            "MASTER_ADDR": master,
             "MASTER_PORT": str(port),
             "RANK": str(ctx.rank),
             "WORLD_SIZE": str(ctx.world_size),
             "LOCAL_RANK": str(ctx.local_rank),
             "LOCAL_WORLD_SIZE": str(ctx.ranks_per_node),
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-            **(ctx.net.env() if ctx.net is not None else {}),
+            **node_env,
             **ctx.extra_env,  # a test may override the launcher's variables
         }
     )

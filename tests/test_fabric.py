@@ -156,3 +156,39 @@ p = f.popen(0, ["sleep", "300"])
 print(f.tag, p.pid, flush=True)
 time.sleep(300)
 """
+
+
+# ---- resilient-ckpt bench --fabric netns ------------------------------------------------------------
+
+
+def test_bench_link_rates_need_the_netns_fabric():
+    from resilient_ckpt.bench import runner
+
+    with pytest.raises(ValidationError, match="--fabric netns"):
+        runner.main(["--link-rates", "10G", "--no-limits"])
+
+
+@needs_netns
+@pytest.mark.multiprocess
+def test_bench_on_the_fabric_runs_once_per_link_rate_against_the_link_limit(tmp_path):
+    import json
+
+    from resilient_ckpt.bench import runner
+
+    out = tmp_path / "fabric.json"
+    # fmt: off
+    rc = runner.main([
+        "--fabric", "netns", "--link-rates", "1G", "--sizes", "4M", "--world-sizes", "2",
+        "--ranks-per-node", "1", "--reps", "1", "--warmup-saves", "1", "--no-limits",
+        "--systems", "ours-embedded", "--json", str(out),
+    ])
+    # fmt: on
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert run["errors"] == [] and run["link_rate_bps"] == 10**9 and doc["config"]["fabric"] == "netns"
+    durable = next(c for c in doc["comparisons"] if c["metric"] == "durable_s")
+    # each node sends its copy of the 3 MiB it saves over its own 1 Gbit/s link
+    assert durable["limit"] == pytest.approx(3 * 2**20 * 8 / 1e9)
+    assert durable["ours"] > durable["limit"]  # the link is real: nothing beats it
+    assert not [line for line in _ours(f"{fabric_mod.PREFIX}{os.getpid()}")["netns"]]

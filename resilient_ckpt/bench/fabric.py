@@ -103,6 +103,16 @@ def enter(net: NodeNet) -> None:
         os.close(fd)
 
 
+def join(net: Optional[NodeNet]) -> Dict[str, str]:
+    """What a rank process does first: enter its node's namespace (``net``; None: stay on
+    loopback) and return the launcher variables that go with it, ``MASTER_ADDR`` (where node
+    0's TCPStore listens) and ``GLOO_SOCKET_IFNAME`` (the interface gloo binds to)."""
+    if net is None:
+        return {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    enter(net)
+    return net.env()
+
+
 # --------------------------------------------------------------------------- commands
 
 
@@ -193,7 +203,7 @@ def parse_rate(text: str) -> int:
 def format_rate(bps: float) -> str:
     for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= div:
-            return f"{bps / div:g} {unit}"
+            return f"{bps / div:.4g} {unit}"
     return f"{bps:g} bit/s"
 
 
