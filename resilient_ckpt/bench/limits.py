@@ -27,7 +27,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -146,6 +146,29 @@ def _gloo_rank(ctx, total: int, chunk: int, reps: int) -> Optional[float]:
     return n * chunk / statistics.median(times) if ctx.rank == 0 else None
 
 
+def _ring_rank(ctx, total: int, chunk: int, reps: int) -> float:
+    """Every rank sends ``total`` bytes to the next rank and receives as much from the previous
+    one, all at once (what ring replication does); this rank's bytes/s each way."""
+    import torch.distributed as dist
+
+    n = max(1, total // chunk)
+    w, r = ctx.world_size, ctx.rank
+    out_buf = torch.ones(chunk, dtype=torch.uint8)
+    in_buf = torch.zeros(chunk, dtype=torch.uint8)
+    times: List[float] = []
+    for rep in range(reps + 1):  # the first round is a warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ops = [dist.P2POp(dist.isend, out_buf, (r + 1) % w), dist.P2POp(dist.irecv, in_buf, (r - 1) % w)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        dist.barrier()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return n * chunk / statistics.median(times)
+
+
 def _zmq_rank(ctx, port: int, total: int, frame: int, reps: int) -> Optional[float]:
     import zmq
 
@@ -225,18 +248,43 @@ def zmq_bandwidth(
     return out[0]
 
 
-def link_limits(fabric: "Fabric", total: int = 1 << 30, *, reps: int = 2) -> Dict[str, float]:
-    """What one link of ``fabric`` delivers to our two transports, in bytes/s: gloo send/recv
-    (node 0 to node 1) and ZeroMQ with the daemon's 4 MiB frames (node 1 to node 0), each
-    alone on the fabric."""
+def gloo_ring_bandwidth(
+    fabric: "Fabric", total: int = 1 << 30, *, chunk: int = FRAME_BYTES, reps: int = 2
+) -> float:
+    """Bytes/s each node sends (and receives) when every node of ``fabric`` sends to the next
+    one at once over gloo, one rank per node: the fabric's own bound on ring replication (on
+    one host every link shares the same CPUs)."""
+    from .launcher import launch
+
+    with tempfile.TemporaryDirectory(prefix="rckpt-limits-") as root:
+        out = launch(
+            _ring_rank,
+            fabric.nodes,
+            root,
+            args=(total, min(chunk, total), reps),
+            ranks_per_node=1,
+            fabric=fabric,
+        )
+    return min(out)
+
+
+def link_limits(fabric: "Fabric", total: int = 1 << 30, *, reps: int = 2) -> Dict[str, Any]:
+    """What the links of ``fabric`` deliver, in bytes/s: gloo send/recv (node 0 to node 1) and
+    ZeroMQ with the daemon's 4 MiB frames (node 1 to node 0), each alone on the fabric
+    (``link_bps``: the better); and with three or more nodes, gloo with every node sending to
+    the next at once (``ring_bps``, per node)."""
     from .fabric import format_rate
 
-    out = {
+    out: Dict[str, Any] = {
         "gloo_p2p_bps": gloo_p2p_bandwidth(total, reps=reps, fabric=fabric),
         "zmq_bps": zmq_bandwidth(total, frame=4 << 20, reps=reps, fabric=fabric),
     }
-    out["link_bps"] = max(out.values())
-    out["describe"] = fabric.describe() + f"; delivers {format_rate(out['link_bps'] * 8)}"
+    out["link_bps"] = max(out["gloo_p2p_bps"], out["zmq_bps"])
+    text = f"one link alone delivers {format_rate(out['link_bps'] * 8)}"
+    if fabric.nodes >= 3:
+        out["ring_bps"] = gloo_ring_bandwidth(fabric, total // 2, reps=reps)
+        text += f"; {fabric.nodes} nodes sending at once, {format_rate(out['ring_bps'] * 8)} each"
+    out["describe"] = f"{fabric.describe()}: {text}"
     return out
 
 

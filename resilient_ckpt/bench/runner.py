@@ -735,13 +735,14 @@ def _fabric_problem(args: argparse.Namespace) -> Optional[str]:
 
 
 def _measure_links(plan: "_Plan", args: argparse.Namespace, log: Callable[[str], None], results) -> None:
-    """--fabric netns: what one link delivers at each rate (two nodes, nothing else running)."""
+    """--fabric netns: what one link, and every link at once, delivers at each rate."""
     from .limits import link_limits
 
+    nodes = max(2, *(-(-w // (args.ranks_per_node or default_ranks_per_node(w))) for w in plan.world_sizes))
     for link in plan.links:
         if link is None:
             continue
-        with Fabric(2, link) as fab:
+        with Fabric(nodes, link) as fab:
             measured = link_limits(fab, (256 << 20) if args.quick else (1 << 30))
         results.links[str(link.rate_bps)] = measured
         log(f"link: {measured['describe']}")
