@@ -246,7 +246,27 @@ def _env(fab: Fabric, mode: str) -> Dict[str, str]:
     return {"RESILIENT_CKPT_SECRET_FILE": str(fab.root / "daemons" / f"{SESSION}.secret")}
 
 
-def _run(fab: Fabric, mode: str, job: Job, world: int, endpoints=()) -> List[dict]:
+def _run(
+    fab: Fabric, mode: str, job: Job, world: int, endpoints=(), fault: Optional[Fault] = None
+) -> List[dict]:
+    """The job on ``world`` ranks, one per node; ``fault`` driven meanwhile."""
+    if fault is not None:
+        fault.start()
+    try:
+        return _run_ranks(fab, mode, job, world, endpoints)
+    finally:
+        if fault is not None:
+            fault.join()
+
+
+def _cut(fab: Fabric, world: int, node: int, mib: float, **kw) -> Fault:
+    """Node ``node`` partitioned once a quarter of a replica crossed its link, then healed."""
+    return Fault(
+        fab, world, node, lambda: fab.cut(node), lambda: fab.heal(node), min_bytes=int(mib * MiB) // 4, **kw
+    )
+
+
+def _run_ranks(fab: Fabric, mode: str, job: Job, world: int, endpoints=()) -> List[dict]:
     job = Job(job.mode, job.mib, str(fab.root / "sync"), job.steps, endpoints, job.timeout_s)
     out = run_ranks(
         _run_job,
@@ -283,12 +303,8 @@ def test_a_node_cut_off_while_replicas_travel_fails_that_save_everywhere_and_the
         ("save", 30),  # the link is back: the next save completes
         ("restore", 30),
     )
-    f = Fault(
-        fab, 3, 1, lambda: fab.cut(1), lambda: fab.heal(1), min_bytes=mib * MiB // 4, lift_after="failed"
-    )
-    f.start()
-    out = _run(fab, mode, Job(mode, mib, "", steps), 3, eps)
-    f.join()
+    f = _cut(fab, 3, 1, mib, lift_after="failed")
+    out = _run(fab, mode, Job(mode, mib, "", steps), 3, eps, f)
     save20 = _records(out, "save", 20)
     row = _table("partition during save", mode, save20, f)
     assert [r["outcome"] for r in save20] == ["failed"] * 3, row
@@ -336,12 +352,8 @@ def test_a_node_cut_off_during_a_restore_fails_it_everywhere_and_a_later_restore
         ("restore", 10),
         ("save", 20),
     )
-    f = Fault(
-        fab, 2, 1, lambda: fab.cut(1), lambda: fab.heal(1), min_bytes=mib * MiB // 4, lift_after="failed"
-    )
-    f.start()
-    out = _run(fab, mode, Job(mode, mib, "", steps), 2, eps)
-    f.join()
+    f = _cut(fab, 2, 1, mib, lift_after="failed")
+    out = _run(fab, mode, Job(mode, mib, "", steps), 2, eps, f)
     first = [o["records"][0] for o in out]
     row = _table("partition during restore", mode, first, f)
     assert [r["outcome"] for r in first] == ["failed"] * 2, row
@@ -360,10 +372,8 @@ def test_a_link_that_flaps_for_less_than_the_timeout_costs_time_not_the_save(mak
     eps = _start(fab, mode)
     mib, timeout_s, down_s = 4, 8.0, 1.0
     steps = (("save", 10), ("signal", "go"), ("save", 20), ("restore", 20))
-    f = Fault(fab, 2, 1, lambda: fab.cut(1), lambda: fab.heal(1), min_bytes=mib * MiB // 4, hold_s=down_s)
-    f.start()
-    out = _run(fab, mode, Job(mode, mib, "", steps, timeout_s=timeout_s), 2, eps)
-    f.join()
+    f = _cut(fab, 2, 1, mib, hold_s=down_s)
+    out = _run(fab, mode, Job(mode, mib, "", steps, timeout_s=timeout_s), 2, eps, f)
     save20 = _records(out, "save", 20)
     _table(f"link down {down_s:g} s during save", mode, save20, f)
     assert [r["outcome"] for r in save20] == ["ok"] * 2, save20
@@ -433,9 +443,7 @@ def test_a_peer_reachable_for_small_messages_but_not_for_data_fails_the_save_and
         lambda: fab.reshape(1, drop_from_bytes=None),
         lift_after="failed",
     )
-    f.start()
-    out = _run(fab, mode, Job(mode, mib, "", steps), 2, eps)
-    f.join()
+    out = _run(fab, mode, Job(mode, mib, "", steps), 2, eps, f)
     save20 = _records(out, "save", 20)
     row = _table("data path black-holed (packets >= 1 KiB dropped)", mode, save20, f)
     assert [r["outcome"] for r in save20] == ["failed"] * 2, row

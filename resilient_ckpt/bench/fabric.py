@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointingException, ValidationError
+from ..memory.store import _pid_alive
 
 PREFIX = "rcf"
 SUBNET = "10.231.0"
@@ -283,16 +284,6 @@ class LinkShape:
 # --------------------------------------------------------------------------- leftovers
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _netns_names() -> List[str]:
     out = _run(["ip", "-j", "netns", "list"], check=False).stdout.strip()
     try:
@@ -322,7 +313,7 @@ def _kill_netns_processes(netns: str, spare: Iterable[int] = ()) -> None:
             pass
     deadline = time.monotonic() + 10
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _alive(p) and not _zombie(p)]
+        pids = [p for p in pids if _pid_alive(p) and not _zombie(p)]
         if pids:
             time.sleep(0.02)
 
@@ -341,7 +332,7 @@ def sweep_leftovers(*, only_pid: Optional[int] = None) -> List[str]:
     removed: List[str] = []
 
     def stale(pid: int) -> bool:
-        return pid == only_pid if only_pid is not None else not _alive(pid)
+        return pid == only_pid if only_pid is not None else not _pid_alive(pid)
 
     for ns in _netns_names():
         m = _NAME.match(ns)

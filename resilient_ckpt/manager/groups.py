@@ -18,10 +18,12 @@ drained, when every rank can tell it is due:
   on every rank together (the fail-together rule), so every rank renews at its next call,
   asking nothing of the possibly broken control group first. A call that failed for another
   reason (a bad template, an encoding error on one rank) leaves the groups alone;
-* a save-thread job failed on every rank since the last renewal: each call starts with one
-  all-reduce (MIN) of this rank's count of failed save-thread jobs, so every rank learns the
-  same number and renews together (a save's outcome is agreed on every rank; a rank whose
-  save thread has not finished the failed save yet lags, and the renewal comes one call later).
+* a save-thread job failed on every rank since the last renewal. A restore (``load_local``,
+  ``find_latest``, ``load``) drains the save thread first, so every rank counts the same failed
+  saves (a save's outcome is agreed on every rank) and decides alone; ``save_local`` does not
+  wait for the saves in flight, so it starts with one all-reduce (MIN) of this rank's count,
+  every rank learns the same number and renews together (a rank whose save thread has not
+  finished the failed save yet lags, and the renewal comes one call later).
 
 A renewal that cannot complete (the partition is still there: ``new_group`` times out after
 ``timeout_s``) fails that call on every rank and is tried again at the next one.
@@ -103,13 +105,16 @@ class GroupRenewal:
     def _left(self) -> None:
         self._calls.depth -= 1
 
-    def _guarded(self, method, *args, **kwargs) -> Any:
-        """Run a collective manager call with the renewal check first (outermost call only);
-        a call that raises marks this rank's groups for renewal at the next one."""
+    def _guarded(self, method, *args, drain: bool = True, **kwargs) -> Any:
+        """Run a collective manager call with the renewal check first (outermost call only;
+        ``drain``: the call waits for the saves in flight anyway, so the check does first);
+        a call that raises on a broken connection marks this rank's groups for renewal."""
         outer = self._entered()
         try:
             if outer:
-                self._renew_groups_if_due()
+                if drain:
+                    self.wait_for_saves()
+                self._renew_groups_if_due(drained=drain)
             return method(*args, **kwargs)
         except BaseException as e:
             if outer and self._group is not None and broke_connections(e):
@@ -118,14 +123,16 @@ class GroupRenewal:
         finally:
             self._left()
 
-    def _renew_groups_if_due(self) -> None:
+    def _renew_groups_if_due(self, drained: bool) -> None:
         if self._group is None or self.world_size == 1:
             return  # first use creates them
-        if getattr(self, "_renew_at_next_call", False):
+        if self._renew_at_next_call:
             self._renew_groups("the previous checkpoint call failed")
             self._renew_at_next_call = False
             return
-        failed = collectives.all_reduce_int(self._worker.failed_jobs, "min", self._control)
+        failed = self._worker.failed_jobs
+        if not drained:  # saves may still be finishing: every rank takes the lowest count
+            failed = collectives.all_reduce_int(failed, "min", self._control)
         if failed > self._renewed_after_failures:
             self._renew_groups(f"{failed - self._renewed_after_failures} save(s) failed on every rank")
 
@@ -137,16 +144,14 @@ class GroupRenewal:
         self._make_replicator()
         for g in old:
             _destroy(g)
-        self._renewed_after_failures = collectives.all_reduce_int(
-            self._worker.failed_jobs, "min", self._control
-        )
+        self._renewed_after_failures = self._worker.failed_jobs  # drained: the same on every rank
         if self.rank == 0:
             logger.warning("checkpoint process groups renewed (%s)", why)
 
     # ---- the collective calls ------------------------------------------------------------------
 
     def save_local(self, state_dict: Any, iteration: int, is_async: bool = True):
-        handle = self._guarded(super().save_local, state_dict, iteration, True)
+        handle = self._guarded(super().save_local, state_dict, iteration, True, drain=False)
         if not is_async:
             # Waited for outside the guard: a failed save renews through the agreed count of
             # failed saves (a rank whose own part went well may not have seen the broken link).
