@@ -194,7 +194,8 @@ class Daemons:
         import torch
 
         from resilient_ckpt.memory import checksum
-        from resilient_ckpt.memory.store import CheckpointHeader, CheckpointStore, plan_layout
+        from resilient_ckpt.memory.layout import CheckpointHeader, plan_layout
+        from resilient_ckpt.memory.store import CheckpointStore
 
         store = CheckpointStore(self.root / f"node{node}", "bench")
         # 64 tensors, like a model's parameters and optimizer states, not one blob

@@ -16,7 +16,8 @@ import torch
 
 from resilient_ckpt.cli import service as svc_cli
 from resilient_ckpt.memory import checksum
-from resilient_ckpt.memory.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
+from resilient_ckpt.memory.layout import CheckpointHeader, CheckpointId, plan_layout
+from resilient_ckpt.memory.store import CheckpointStore
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from harness import free_port
 from resilient_ckpt.errors import NoReplicaError, ReplicationError, StoreFullError
 from resilient_ckpt.memory import checksum
-from resilient_ckpt.memory.store import CheckpointHeader, CheckpointId, CheckpointStore, plan_layout
+from resilient_ckpt.memory.layout import CheckpointHeader, CheckpointId, plan_layout
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.replication.placement import ring_placement
 from resilient_ckpt.service.client import (
     DaemonClient,

@@ -23,7 +23,8 @@ import yaml
 
 from harness import free_port
 from resilient_ckpt.cli.service import derive_secret
-from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
+from resilient_ckpt.memory.layout import CheckpointId
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.service import daemon
 from resilient_ckpt.service.client import DaemonClient
 from resilient_ckpt.service.wire.auth import Authenticator, load_secret, write_secret_file

@@ -75,6 +75,7 @@ def _bit_exact(state, rank: int, ws: int, step: int) -> bool:
 def _manager(ctx, **kw) -> CheckpointManager:
     kw.setdefault("replication_factor", 2)
     kw.setdefault("timeout_s", 30)
+    kw.setdefault("keep_last", 2)  # retention and fallback specs below keep two iterations
     return CheckpointManager(SESSION, store_root=ctx.store_root, **kw)
 
 

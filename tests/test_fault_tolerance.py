@@ -421,7 +421,7 @@ def test_garbage_in_the_store_root_is_ignored_alike_on_every_node(tmp_root):
 
 def test_a_header_of_another_format_version_names_itself_when_its_iteration_is_saved(tmp_root):
     from resilient_ckpt.errors import StoreError
-    from resilient_ckpt.memory.store import FORMAT_VERSION, CheckpointHeader
+    from resilient_ckpt.memory.layout import FORMAT_VERSION, CheckpointHeader
 
     store = CheckpointStore(tmp_root, "fv", world_size=1)
     seg = store.allocate(5, 0, 256)

@@ -99,20 +99,21 @@ def test_optimizer_step_cannot_start_before_the_snapshot_copies_finished(tmp_roo
     main = threading.current_thread()
     release = threading.Event()
     copies_done = threading.Event()
-    real_copy, real_wait = staging._copy_all, staging.StagingHandle.wait
+    real_copy, real_fence = staging._finish, staging.StagingHandle.fence
 
-    def held_copy(pairs):
+    def held_copy(*args):
         release.wait(timeout=60)  # the timeout only guards against a hung test
-        real_copy(pairs)
+        segment = real_copy(*args)
         copies_done.set()
+        return segment
 
-    def wait(self):
+    def fence(self, stream=None):
         if threading.current_thread() is main:
-            release.set()  # the training thread waits for the snapshot: let the copies run
-        return real_wait(self)
+            release.set()  # the training thread fences the snapshot: let the copies run
+        return real_fence(self, stream)
 
-    monkeypatch.setattr(staging, "_copy_all", held_copy)
-    monkeypatch.setattr(staging.StagingHandle, "wait", wait)
+    monkeypatch.setattr(staging, "_finish", held_copy)
+    monkeypatch.setattr(staging.StagingHandle, "fence", fence)
 
     state = _state()
     _train_step(state)
@@ -144,14 +145,14 @@ def test_optimizer_step_cannot_start_before_the_snapshot_copies_finished(tmp_roo
 def test_optimizer_given_with_state_fn_also_waits_for_staging(tmp_root, monkeypatch):
     main = threading.current_thread()
     waited_in_main = []
-    real = staging.StagingHandle.wait
+    real = staging.StagingHandle.fence
 
-    def wait(self):
+    def fence(self, stream=None):
         if threading.current_thread() is main:
             waited_in_main.append(self)
-        return real(self)
+        return real(self, stream)
 
-    monkeypatch.setattr(staging.StagingHandle, "wait", wait)
+    monkeypatch.setattr(staging.StagingHandle, "fence", fence)
     w = torch.nn.Parameter(torch.randn(4, 4))
     opt = torch.optim.SGD([w], lr=0.1)
     with _manager(tmp_root) as manager:
@@ -165,7 +166,7 @@ def test_optimizer_given_with_state_fn_also_waits_for_staging(tmp_root, monkeypa
         assert waited_in_main == [], "save_local returns without waiting for the copies"
         w.grad = torch.ones_like(w)
         opt.step()
-        assert len(waited_in_main) == 1, "the optimizer step waited for the snapshot"
+        assert len(waited_in_main) == 1, "the optimizer step fenced the snapshot"
         opt.step()
         assert len(waited_in_main) == 1, "and only once per save"
         hook.close()
@@ -234,10 +235,10 @@ def test_save_that_cannot_start_warns_at_once_and_training_goes_on(tmp_root):
 
 
 def test_failed_staging_copy_does_not_break_the_optimizer_step(tmp_root, monkeypatch):
-    def broken_copy(pairs):
+    def broken_copy(*args):
         raise RuntimeError("injected: copy failed")
 
-    monkeypatch.setattr(staging, "_copy_all", broken_copy)
+    monkeypatch.setattr(staging, "_finish", broken_copy)
     state = _state()
     manager = _manager(tmp_root)
     hook = CheckpointHook(manager, every_n_steps=1, state=state)

@@ -16,7 +16,8 @@ from resilient_ckpt.errors import (
     ValidationError,
 )
 from resilient_ckpt.manager.checkpoint_manager import FAULT_POINTS, MAX_ITERATION, CheckpointManager
-from resilient_ckpt.memory.store import CheckpointHeader, CheckpointStore, plan_layout
+from resilient_ckpt.memory.layout import CheckpointHeader, plan_layout
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.model.mapping import ShardedObject, ShardedTensor
 from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
@@ -41,6 +42,7 @@ def _check(state, step):
 
 def _mgr(tmp_root, **kw):
     kw.setdefault("replication_factor", 1)
+    kw.setdefault("keep_last", 2)  # these specify fallbacks to the previous complete iteration
     return CheckpointManager(kw.pop("session_id", "job"), store_root=str(tmp_root), **kw)
 
 

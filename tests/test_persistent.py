@@ -23,7 +23,8 @@ from harness import node_store_root, run_ranks
 from resilient_ckpt import ShardedObject, ShardedTensor
 from resilient_ckpt.cli.inspect import convert_main, export_main, inspect_main
 from resilient_ckpt.errors import CheckpointingException, CorruptCheckpointError, ForeignCheckpointError
-from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
+from resilient_ckpt.memory.layout import CheckpointId
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.persistent.layout import hollow_fqn
 from resilient_ckpt.persistent.local_load import load_metadata_only
 from resilient_ckpt.persistent.snapshot import StoreSnapshot
@@ -79,7 +80,7 @@ def _job(ctx):
 
     r, w = ctx.rank, ctx.world_size
     out = {}
-    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1)
+    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1, keep_last=2)
     tier = _tier(ctx)
     mgr.save_local(_sharded_state(10, r, w), 10, is_async=False)
     res = tier.flush(mgr.store, 10).wait()
@@ -371,7 +372,7 @@ def _fallback(ctx):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
     r, w = ctx.rank, ctx.world_size
-    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1)
+    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1, keep_last=2)
     tier = _tier(ctx)
     for it in (10, 20):
         mgr.save_local(_sharded_state(it, r, w), it, is_async=False)
@@ -387,7 +388,7 @@ def _fallback(ctx):
         if cid.owner == 1:
             store.discard(cid, recycle=False)
     dist.barrier()
-    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1)
+    mgr = CheckpointManager(SESSION, ctx.store_root, replication_factor=2, ranks_per_node=1, keep_last=2)
     tier2 = _tier(ctx)
     restored = restore_latest(mgr, tier2, template)
     state = restored.state_dict
@@ -466,7 +467,7 @@ def test_periodic_flush_every_m_saves_keeps_last_k_and_sigterm_flushes_the_newes
 def _single_process_store(root: Path, iterations=(10,)):
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
-    mgr = CheckpointManager(SESSION, str(root / "shm"), replication_factor=1)
+    mgr = CheckpointManager(SESSION, str(root / "shm"), replication_factor=1, keep_last=len(iterations))
     for it in iterations:
         model = _ddp_model(it)
         mgr.save_local(

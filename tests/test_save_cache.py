@@ -17,17 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
-from resilient_ckpt.memory.store import CheckpointId, dense_runs, plan_layout, plan_layout_runs
+from resilient_ckpt.memory.layout import CheckpointId, dense_runs, plan_layout, plan_layout_runs
 from resilient_ckpt.model import codec, shard_table
 from resilient_ckpt.model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from resilient_ckpt.model.nested import nested_values
-from resilient_ckpt.parallel.tensor_aware_state_dict import (
-    MCoreTensorAwareStateDict,
-    hollow_parts,
-    prepare_template,
-    preprocess,
-    snapshot_parts,
-)
+from resilient_ckpt.parallel.hollow import hollow_parts
+from resilient_ckpt.parallel.snapshot import snapshot_parts
+from resilient_ckpt.parallel.template import prepare_template, preprocess
+from resilient_ckpt.parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8]
 
@@ -305,11 +302,18 @@ def _two_rank_state(rank: int, step: int, fill: bool = True, moved: bool = False
 
 
 def _restore_counting_validations(ctx, moved_on):
+    import resilient_ckpt.parallel.load_checks as load_checks_mod
     import resilient_ckpt.parallel.tensor_aware_state_dict as tasd_mod
 
     calls = []
     real = tasd_mod.validate_sharding_integrity
-    tasd_mod.validate_sharding_integrity = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    tasd_mod.validate_sharding_integrity = counting  # the first save's check
+    load_checks_mod.validate_sharding_integrity = counting  # the load verdict's
     m = CheckpointManager("restore", store_root=ctx.store_root, replication_factor=2, timeout_s=30)
     for step in (1, 2):
         m.save_local(_two_rank_state(ctx.rank, step), step).wait()

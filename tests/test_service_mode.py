@@ -13,7 +13,8 @@ import torch
 
 from harness import run_ranks
 from resilient_ckpt.errors import ReplicationError
-from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
+from resilient_ckpt.memory.layout import CheckpointId
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.service.client import DaemonClient
 from resilient_ckpt.service.daemon import FAULTS_ENV
 from test_daemon import (

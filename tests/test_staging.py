@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from resilient_ckpt.manager.checkpoint_manager import MAX_ITERATION, CheckpointManager
+from resilient_ckpt.memory.layout import plan_layout
 from resilient_ckpt.memory.staging import SegmentPrefetcher, Stager
-from resilient_ckpt.memory.store import CheckpointStore, plan_layout
+from resilient_ckpt.memory.store import CheckpointStore
 from resilient_ckpt.model.mapping import ShardedTensor
 
 pytestmark = [
@@ -244,7 +245,7 @@ def test_a_segment_the_driver_cannot_page_lock_stays_pageable_and_says_how_to_fi
     "invalid argument". The save must go on (device copies into pageable memory are
     synchronous, still correct), the sticky CUDA error must be cleared, one warning names
     the fix."""
-    import resilient_ckpt.memory.store as store_mod
+    import resilient_ckpt.memory.pinning as pinning_mod
 
     calls = []
 
@@ -259,7 +260,7 @@ def test_a_segment_the_driver_cannot_page_lock_stays_pageable_and_says_how_to_fi
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
-    monkeypatch.setattr(store_mod, "_UNPINNABLE_WARNED", set())
+    monkeypatch.setattr(pinning_mod, "_warned", set())
     store = CheckpointStore(str(tmp_root), "pin")
     with caplog.at_level("WARNING"):
         for _ in range(2):

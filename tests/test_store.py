@@ -18,14 +18,14 @@ from resilient_ckpt.errors import (
     StoreFullError,
 )
 from resilient_ckpt.memory import checksum
-from resilient_ckpt.memory.store import (
+from resilient_ckpt.memory.layout import (
     FORMAT_VERSION,
     CheckpointHeader,
     CheckpointId,
-    CheckpointStore,
     TensorLayout,
     plan_layout,
 )
+from resilient_ckpt.memory.store import CheckpointStore
 
 KIB = 1 << 10
 

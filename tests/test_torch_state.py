@@ -110,7 +110,7 @@ def _unique_tensor_bytes(state) -> int:
 
 def _saved_tensor_bytes(manager, iteration: int) -> int:
     """Tensor bytes this rank's own checkpoint of ``iteration`` holds (from its header)."""
-    from resilient_ckpt.memory.store import CheckpointId
+    from resilient_ckpt.memory.layout import CheckpointId
 
     header = manager.store.read_header(CheckpointId(iteration, dist.get_rank(), manager.session_id))
     return sum(layout.nbytes for layout in header.tensors)

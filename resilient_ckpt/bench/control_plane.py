@@ -35,11 +35,11 @@ are therefore exactly what the real encoders produced.
 shards TP-sharded and replicated over DP, half sharded over all ranks, one ShardedObject per
 rank. The per-rank payloads of every all-gather are encoded with the real encoder (msgpack,
 exactly as ``collectives.all_gather_msgpack`` sends them) from records built the way the real
-code builds them (checked against ``shard_record`` / ``_load_facts`` on real ShardedTensors of
+code builds them (checked against ``shard_record`` / ``load_facts`` on real ShardedTensors of
 sample ranks), then decoded and fed to the pure planning functions every rank runs on the
 gathered data: ``validate_sharding_integrity``, ``compute_distribution``, ``Holdings`` ->
 ``complete_iterations`` -> ``plan_retrieval``, ``plan_exchange`` and the whole load verdict
-(``_load_verdict``). Every rank runs these computations in full on the same gathered data, so
+(``load_verdict``). Every rank runs these computations in full on the same gathered data, so
 the single-process time *is* the per-rank time. Not simulated (needs a process group): the
 collectives' own latency (the agreement is one 8-byte all-reduce; the gathers' wire time is
 bytes / bandwidth) and the data movement.
@@ -170,9 +170,14 @@ _PKG = "resilient_ckpt."
 PHASES: Tuple[Tuple[str, str, str], ...] = (
     # structure walk: copying the tree, splitting common / sharded, listing ShardedTensors
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:preprocess", "phase"),
+    ("structure walk", _PKG + "parallel.template:preprocess", "phase"),
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:sharded_tensors", "phase"),
+    ("structure walk", _PKG + "parallel.template:sharded_tensors", "phase"),
+    ("structure walk", _PKG + "parallel.load_checks:sharded_tensors", "phase"),
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:sharded_objects", "phase"),
-    ("structure walk", _PKG + "parallel.tensor_aware_state_dict:template_targets", "phase"),
+    ("structure walk", _PKG + "parallel.template:sharded_objects", "phase"),
+    ("structure walk", _PKG + "parallel.load_checks:sharded_objects", "phase"),
+    ("structure walk", _PKG + "parallel.template:template_targets", "phase"),
     ("structure walk", _PKG + "manager.loading:template_targets", "phase"),
     # the cached save's one walk (tree, shard rows) and its comparison with the cache
     ("structure walk", _PKG + "manager.saving:snapshot_parts", "phase"),
@@ -191,6 +196,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ),
     ("distribution compute", _PKG + "parallel.tensor_aware_state_dict:compute_distribution", "phase"),
     ("validation", _PKG + "parallel.tensor_aware_state_dict:validate_sharding_integrity", "phase"),
+    ("validation", _PKG + "parallel.load_checks:validate_sharding_integrity", "phase"),
     # hollow state dict <-> codec bytes
     # (to_bytes delegates to hollow_encoding: wrapping both would count the bytes twice)
     (
@@ -206,8 +212,8 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("hollow encoding", _PKG + "manager.saving:encode_hollow", "encode"),
     # header: the tensor table, pack / unpack, the files
     ("layout planning", _PKG + "manager.saving:plan_layout_runs", "phase"),
-    ("header pack", _PKG + "memory.store:CheckpointHeader.pack", "encode"),
-    ("header unpack", _PKG + "memory.store:CheckpointHeader.unpack", "phase"),
+    ("header pack", _PKG + "memory.layout:CheckpointHeader.pack", "encode"),
+    ("header unpack", _PKG + "memory.layout:CheckpointHeader.unpack", "phase"),
     ("header publish", _PKG + "memory.store:CheckpointStore.publish", "phase"),
     ("header read", _PKG + "memory.store:CheckpointStore.read_header", "phase"),
     ("header read", _PKG + "memory.store:CheckpointStore.open", "phase"),
@@ -223,27 +229,21 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     # planning
     ("retrieval planning", _PKG + "manager.loading:plan_retrieval", "phase"),
     ("retrieval planning", _PKG + "manager.restore:plan_retrieval", "phase"),
-    ("exchange planning", _PKG + "parallel.tensor_aware_state_dict:plan_exchange", "phase"),
+    ("exchange planning", _PKG + "parallel.load_exchange:plan_exchange", "phase"),
+    ("exchange planning", _PKG + "parallel.load_checks:plan_exchange", "phase"),
     # load checks (facts, the gathered verdict), template fill
     ("restore check", _PKG + "manager.loading:LoadPath._check_template", "phase"),
     ("restore check", _PKG + "manager.loading:check_restorable", "phase"),
-    (
-        "load facts",
-        _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict._gather_load_facts",
-        "phase",
-    ),
-    ("load verdict", _PKG + "parallel.tensor_aware_state_dict:_load_verdict", "phase"),
+    ("load facts", _PKG + "parallel.load_exchange:_gather_load_facts", "phase"),
+    ("load verdict", _PKG + "parallel.load_exchange:load_verdict", "phase"),
+    ("load verdict", _PKG + "parallel.load_checks:load_verdict", "phase"),
     (
         "to_state_dict (rest)",
         _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict.to_state_dict",
         "phase",
     ),
-    (
-        "objects exchange",
-        _PKG + "parallel.tensor_aware_state_dict:MCoreTensorAwareStateDict._exchange_objects",
-        "phase",
-    ),
-    ("template fill", _PKG + "parallel.tensor_aware_state_dict:_fill_template", "phase"),
+    ("objects exchange", _PKG + "parallel.load_exchange:_exchange_objects", "phase"),
+    ("template fill", _PKG + "parallel.load_exchange:fill_template", "phase"),
     ("template fill", _PKG + "manager.loading:_unborrow", "phase"),
     # data plane (reported so the operations add up; not the subject of this benchmark)
     ("staging start", _PKG + "manager.saving:SavePath._stage", "phase"),
@@ -254,7 +254,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("retrieval (data)", _PKG + "manager.loading:retrieve", "phase"),
     ("local replica shards", _PKG + "manager.loading:LoadPath._extra_shards", "phase"),
     ("rebuild", _PKG + "manager.loading:LoadPath._decode", "phase"),
-    ("data exchange", _PKG + "parallel.tensor_aware_state_dict:execute_exchange", "phase"),
+    ("data exchange", _PKG + "parallel.load_exchange:execute_exchange", "phase"),
     # housekeeping
     ("group setup", _PKG + "manager.checkpoint_manager:CheckpointManager._ckpt_group", "phase"),
     ("retire earlier run", _PKG + "manager.saving:SavePath._retire_earlier_run", "phase"),
@@ -529,18 +529,18 @@ def _encoder_checks(mgr, wl: CPWorkload, sd: Dict[str, Any], iteration: int) -> 
     benchmark's byte counts must equal these (see the smoke test)."""
     import msgpack
 
-    from ..memory.store import CheckpointId
+    from ..memory.layout import CheckpointId
     from ..model.validation import object_record, shard_record
-    from ..parallel import tensor_aware_state_dict as tasd_mod
     from ..parallel.distribution import structure_fingerprint
+    from ..parallel.template import preprocess, sharded_objects, sharded_tensors
 
-    sharded, *_ = tasd_mod.preprocess(sd)
-    shards = tasd_mod.sharded_tensors(sharded)
+    sharded, *_ = preprocess(sd)
+    shards = sharded_tensors(sharded)
     payload = {
         "rank": mgr.rank,
         "error": None,
         "shards": [list(shard_record(sh)) for sh in shards],
-        "objects": [list(object_record(o)) for o in tasd_mod.sharded_objects(sharded)],
+        "objects": [list(object_record(o)) for o in sharded_objects(sharded)],
         "fp": structure_fingerprint(shards),
     }
     cid = CheckpointId(iteration, mgr.rank, mgr.session_id)
@@ -963,7 +963,7 @@ class _Rank:
 
     def facts_payload(self, need_all: bool) -> dict:
         """What ``check_restorable`` (``need_all``) or ``to_state_dict`` contributes to its
-        all-gather: :func:`tensor_aware_state_dict._load_facts` with validation records (the
+        all-gather: :func:`load_checks.load_facts` with validation records (the
         manager validates in both)."""
         head: Dict[str, Any] = {"rank": self.rank, "error": None}
         if need_all:
@@ -1001,18 +1001,19 @@ def _check_synthetic(lay: SimLayout, ranks: Sequence[_Rank]) -> None:
     import msgpack
 
     from ..model.validation import object_record, shard_record
-    from ..parallel import tensor_aware_state_dict as tasd_mod
     from ..parallel.distribution import structure_fingerprint
     from ..parallel.exchange import dtype_name
+    from ..parallel.load_checks import load_facts
+    from ..parallel.template import preprocess, sharded_objects, sharded_tensors
 
     def rt(x):
         return msgpack.unpackb(msgpack.packb(x, use_bin_type=True), raw=False, strict_map_key=False)
 
     for rank in sorted({0, lay.world // 2, lay.world - 1}):
         sd = lay.state_dict(rank)
-        sharded, *_ = tasd_mod.preprocess(sd)
-        shards = tasd_mod.sharded_tensors(sharded)
-        objects = tasd_mod.sharded_objects(sharded)
+        sharded, *_ = preprocess(sd)
+        shards = sharded_tensors(sharded)
+        objects = sharded_objects(sharded)
         real = {
             "rank": rank,
             "error": None,
@@ -1029,7 +1030,7 @@ def _check_synthetic(lay: SimLayout, ranks: Sequence[_Rank]) -> None:
         ]
         keys = {s.key for s in shards} | {o.key for o in objects}
         for need_all in (True, False):
-            facts = tasd_mod._load_facts(shards, objects, held, objects, keys, True, need_all=need_all)
+            facts = load_facts(shards, objects, held, objects, keys, True, need_all=need_all)
             head = {"rank": rank, "error": None, **({"unknown": False} if need_all else {})}
             if rt({**head, **facts}) != mine.facts_payload(need_all):
                 raise AssertionError(
@@ -1098,13 +1099,15 @@ def _gather(make: Callable[[int], Any], world: int) -> Tuple[Dict[str, float], L
 def _local_phases(lay: SimLayout, dist_, rows: Dict[str, Dict[str, float]]) -> None:
     """Rank 0's local phases (no gathered data: independent of W but for the object grid):
     structure walk, fingerprint, hollow encoding / decoding, header pack / unpack."""
-    from ..memory.store import CheckpointHeader, plan_layout
-    from ..parallel import tensor_aware_state_dict as tasd_mod
+    from ..memory.layout import CheckpointHeader, plan_layout
     from ..parallel.distribution import check_cached, structure_fingerprint
+    from ..parallel.load_checks import same_structure
+    from ..parallel.template import prepare_template, preprocess, sharded_tensors
+    from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     sd = lay.state_dict(0, data=True)
-    t, (sharded, *_rest) = _timed(tasd_mod.preprocess, sd)
-    shards = tasd_mod.sharded_tensors(sharded)
+    t, (sharded, *_rest) = _timed(preprocess, sd)
+    shards = sharded_tensors(sharded)
     rows["structure walk"] = dict(seconds=t)
     t, _ = _timed(structure_fingerprint, shards)
     rows["fingerprint"] = dict(seconds=t)
@@ -1113,17 +1116,15 @@ def _local_phases(lay: SimLayout, dist_, rows: Dict[str, Dict[str, float]]) -> N
     saved = tuple(dist_.main_rank_for_shard[s.shard_id] == 0 for s in shards)
     for s in shards:
         s.data = None
-    hollow = tasd_mod.MCoreTensorAwareStateDict(
-        common={}, sharded_state_dict=sharded, _is_hollow=True, _saved=saved
-    )
+    hollow = MCoreTensorAwareStateDict(common={}, sharded_state_dict=sharded, _is_hollow=True, _saved=saved)
     t, meta = _timed(hollow.to_bytes)
     rows["hollow encoding"] = dict(seconds=t, encoded=len(meta))
-    t, decoded = _timed(tasd_mod.MCoreTensorAwareStateDict.from_bytes, meta)
+    t, decoded = _timed(MCoreTensorAwareStateDict.from_bytes, meta)
     rows["hollow decoding"] = dict(seconds=t)
     # a restart's template, walked once, compared with the decoded checkpoint's structure
     template = lay.state_dict(0, data=True)
     t0 = time.perf_counter()
-    same = tasd_mod._same_structure(tasd_mod.prepare_template(template), decoded)
+    same = same_structure(prepare_template(template), decoded)
     rows["restore check (same structure)"] = dict(seconds=time.perf_counter() - t0)
     if not same:
         raise AssertionError("the simulated template does not have its checkpoint's structure")

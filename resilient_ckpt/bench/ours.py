@@ -1,8 +1,9 @@
 """resilient_ckpt as a benchmarked system (embedded mode; service mode with per-node daemons).
 
-``save`` returns after ``wait_staged()``: the copies into the store segment are done and the
-loop may mutate its tensors — the honest stall, although a real loop overlaps the copies with
-forward/backward and only the optimizer step waits.
+``save`` returns once the copies are started; the runner calls the handle's ``fence`` right
+before it mutates the tensors (``SaveHandle.fence``: CPU tensors' copies waited for, GPU
+copies ordered before the stream's later work) — what ``CheckpointHook`` does before the
+optimizer step. The runner's stall is until then (CUDA: synchronised).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ class EmbeddedSystem:
 
     def save(self, state: Dict[str, Any], iteration: int) -> SaveHandle:
         handle = self.manager.save_local(state, iteration)
-        handle.wait_staged()
         details: Dict[str, float] = {}
 
         def wait() -> None:
             m = handle.wait()
             details.update(
+                pinned_on_save_bytes=m.pinned_on_save_bytes,
+                pinned_held_bytes=m.pinned_held_bytes,
+                device_snapshot=float(m.device_snapshot),
                 staging_s=m.staging_s,
                 checksum_s=m.checksum_s,
                 publish_s=m.publish_s,
@@ -60,7 +63,9 @@ class EmbeddedSystem:
             if m.parity_encode_s > 0:
                 details["parity_encode_gbps"] = m.parity_coded_bytes / m.parity_encode_s / 1e9
 
-        return SaveHandle(wait, saved_bytes=handle.metrics.bytes_staged, details=details)
+        return SaveHandle(
+            wait, saved_bytes=handle.metrics.bytes_staged, details=details, fence_fn=handle.fence
+        )
 
     def restore(self, template: Any) -> Any:
         result = self.manager.load_local(template)
@@ -73,12 +78,31 @@ class EmbeddedSystem:
 
 
 class LeanSystem(EmbeddedSystem):
-    """Replicas with the reference's retention: only the newest complete iteration kept."""
+    """The least memory: the newest complete iteration only and no spare segment (each save
+    copies into fresh pages)."""
 
     name = "ours-lean"
 
     def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
-        return dict(super().manager_kwargs(ctx), keep_last=1)
+        return dict(super().manager_kwargs(ctx), keep_last=1, spare_segment=False)
+
+
+class KeepTwoSystem(EmbeddedSystem):
+    """Two complete iterations in memory (the default before issue 22) and a spare."""
+
+    name = "ours-keep2"
+
+    def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
+        return dict(super().manager_kwargs(ctx), keep_last=2)
+
+
+class SnapshotSystem(EmbeddedSystem):
+    """GPU state staged through a copy within the GPU on every save (device_snapshot="always")."""
+
+    name = "ours-snapshot"
+
+    def manager_kwargs(self, ctx: RankContext) -> Dict[str, Any]:
+        return dict(super().manager_kwargs(ctx), device_snapshot="always")
 
 
 class ParitySystem(LeanSystem):

@@ -43,14 +43,22 @@ from .workload import expected_saved_bytes, format_size
 
 BASELINE = "baseline"
 METRIC_LABELS = {
+    "first_stall_s": "save stall, 1st after start",
+    "max_stall_s": "save stall, worst save",
     "stall_s": "save stall",
     "durable_s": "time to durable",
     "restore_restart_s": "restore after restart",
     "restore_node_loss_s": "restore after node loss",
     "peak_rss_save_bytes": "peak RSS save",
     "peak_rss_restore_bytes": "peak RSS restore",
+    "peak_unshared_restore_restart_bytes": "peak RSS restore, store pages excluded",
+    "peak_private_restore_restart_bytes": "private memory, restore",
     "store_bytes_per_rank": "store bytes/rank",
+    "host_bytes_per_rank": "host memory/rank",
+    "loop_overhead_s": "loop overhead per save",
 }
+#: metrics bounded by another's limit (every save's stall has the stall's)
+_SAME_LIMIT = {"first_stall_s": "stall_s", "max_stall_s": "stall_s"}
 TIME_METRICS = ("stall_s", "durable_s", "restore_restart_s", "restore_node_loss_s")
 LIMIT_FORMULAS = {
     "stall_s": "W*s/memcpy",
@@ -90,6 +98,7 @@ def _is_cuda(limits: Optional[Dict[str, Any]]) -> bool:
 
 
 def limit_formula(metric: str, limits: Optional[Dict[str, Any]]) -> Optional[str]:
+    metric = _SAME_LIMIT.get(metric, metric)
     return (CUDA_LIMIT_FORMULAS if _is_cuda(limits) else LIMIT_FORMULAS).get(metric)
 
 
@@ -118,6 +127,7 @@ def limit_seconds(
     limits: Optional[Dict[str, float]],
 ) -> Optional[float]:
     """The machine's lower bound for ``metric`` (see module docstring), None where none applies."""
+    metric = _SAME_LIMIT.get(metric, metric)
     if not limits or metric not in LIMIT_FORMULAS:
         return None
     w, f = world_size, replication_factor
@@ -292,6 +302,7 @@ def render(doc: Dict[str, Any], con=None) -> None:
     if doc.get("limits"):
         con.print(format_limits(doc["limits"]), markup=False, highlight=False)
     con.print(f"peak RSS: {doc['rss_method']}", markup=False, highlight=False)
+    _render_every_save(runs, con)
     patched = doc.get("patched", doc.get("patched_for_cpu"))
     if patched:
         device = doc.get("config", {}).get("device", "cpu")
@@ -364,6 +375,27 @@ def _render_links(doc: Dict[str, Any], con) -> None:
         for e in r["errors"]:
             con.print(
                 f"ERROR {r['system']} {format_size(r['bytes_per_rank'])}: {e}", markup=False, highlight=False
+            )
+
+
+def _render_every_save(runs: List[Dict[str, Any]], con) -> None:
+    """What the table's medians summarise: the stall of every save from the first after a
+    start (no warm-up hidden), and how host memory is counted."""
+    con.print(
+        "host memory/rank: store bytes/rank + peak private memory (RssAnon of the rank, Pss_Anon of its "
+        "children, sampled) + page-locked host allocations, during the saves",
+        markup=False,
+        highlight=False,
+    )
+    for r in runs:
+        stalls = r["metrics"].get("stalls_s", {}).get("values") or []
+        if stalls and stalls[0]:
+            each = ", ".join(f"{v:.3f}" for v in stalls[0])
+            con.print(
+                f"stall of every save, {r['system']} {format_size(r['bytes_per_rank'])} "
+                f"W={r['world_size']} (rep 1, s): {each}",
+                markup=False,
+                highlight=False,
             )
 
 

@@ -57,6 +57,7 @@ from .fabric import Fabric, LinkShape, format_rate, parse_rate
 
 # RankContext and node_store_root are part of the System interface, so named here too.
 from .launcher import RankContext, launch, mp_context, node_store_root, quiet
+from .loop import COMPUTE_MARGIN, SAVE_EVERY, Compute, PrivateMemory, pinned_host_bytes, run_loop
 from .workload import expected_saved_bytes, format_size, parse_size
 
 #: Built-in systems: name -> "module:Class". ``resilient_ckpt.bench.ours`` is the lead's.
@@ -66,8 +67,12 @@ SYSTEMS: Dict[str, str] = {
     "baseline-inline": "resilient_ckpt.bench.baseline:BaselineInlineSystem",
     "ours-embedded": "resilient_ckpt.bench.ours:EmbeddedSystem",
     "ours-service": "resilient_ckpt.bench.ours:ServiceSystem",
-    # the reference's retention (newest complete iteration only), full replicas
+    # the least memory: newest complete iteration only, no spare segment
     "ours-lean": "resilient_ckpt.bench.ours:LeanSystem",
+    # two complete iterations kept (the default before issue 22)
+    "ours-keep2": "resilient_ckpt.bench.ours:KeepTwoSystem",
+    # GPU state through a device snapshot on every save
+    "ours-snapshot": "resilient_ckpt.bench.ours:SnapshotSystem",
     # the reference's retention, XOR parity groups of k=4 (nodes-1 when fewer) instead of replicas
     "ours-parity": "resilient_ckpt.bench.ours:ParitySystem",
     # Reed-Solomon parity_shares=2 (k=2 where groups of 4 nodes tile the job)
@@ -124,9 +129,16 @@ class SaveHandle:
     saved_bytes: Optional[int] = None
     #: optional breakdown in seconds (e.g. {"write_s": ...}), filled by the system, reported
     details: Dict[str, float] = field(default_factory=dict)
+    #: optional: orders the loop's next mutation of the saved tensors after the save's copies
+    #: (e.g. a CUDA stream wait); the runner calls it right before mutating
+    fence_fn: Optional[Callable[[], Any]] = None
 
     def wait(self) -> None:
         self.wait_fn()
+
+    def fence(self) -> None:
+        if self.fence_fn is not None:
+            self.fence_fn()
 
 
 class NodeServices(Protocol):
@@ -243,6 +255,8 @@ class RunSpec:
     warmup_saves: int = 3
     #: where the workload's tensors live: "cpu" or "cuda" (each rank on its local GPU)
     device: str = "cpu"
+    #: saves in the training-loop phase (0: no loop phase; see bench.loop)
+    loop_saves: int = 0
 
 
 DEVICES = ("cpu", "cuda")
@@ -279,32 +293,45 @@ def _save_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     )
     system = cls()
     system.setup(ctx)
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {"stalls_s": [], "durables_s": []}
     schedule = [("first", FIRST_ITERATION)]
     schedule += [("warmup", FIRST_ITERATION + 10 * k) for k in range(1, spec.warmup_saves)]
     schedule.append(("steady", ITERATION))
-    for label, iteration in schedule:
-        wl.advance(iteration)
-        state = wl.sharded_state_dict()
-        dist.barrier()
-        if label == "steady":
-            out["rss_reset"] = reset_peak_rss()
-            out["rss_at_start_bytes"] = current_rss_bytes()
-        t0 = time.perf_counter()
-        pending = system.save(state, iteration)
-        t1 = time.perf_counter()
-        # The loop goes on at once: a save that still reads the live tensors after returning
-        # would store this, and the bit-exact restore check would catch it.
-        wl.advance(iteration + 1)
-        pending.wait()
-        t2 = time.perf_counter()
-        if label != "warmup":
-            out[f"{label}_stall_s"] = t1 - t0
-            out[f"{label}_durable_s"] = t2 - t0
-        out["saved_bytes"] = getattr(pending, "saved_bytes", None)
-        out["details"] = dict(getattr(pending, "details", None) or {})
-        del state, pending
+    cuda = wl.device.type == "cuda"
+    with PrivateMemory() as private:
+        for label, iteration in schedule:
+            wl.advance(iteration)
+            state = wl.sharded_state_dict()
+            dist.barrier()
+            if label == "steady":
+                out["rss_reset"] = reset_peak_rss()
+                out["rss_at_start_bytes"] = current_rss_bytes()
+            t0 = time.perf_counter()
+            pending = system.save(state, iteration)
+            fence = getattr(pending, "fence", None)
+            if fence is not None:
+                fence()
+            if cuda:  # stall = until the tensors may be mutated, the GPU's copies included
+                import torch
+
+                torch.cuda.synchronize(wl.device)
+            t1 = time.perf_counter()
+            # The loop goes on at once: a save that still reads the live tensors after
+            # returning would store this, and the bit-exact restore check would catch it.
+            wl.advance(iteration + 1)
+            pending.wait()
+            t2 = time.perf_counter()
+            out["stalls_s"].append(t1 - t0)
+            out["durables_s"].append(t2 - t0)
+            if label != "warmup":
+                out[f"{label}_stall_s"] = t1 - t0
+                out[f"{label}_durable_s"] = t2 - t0
+            out["saved_bytes"] = getattr(pending, "saved_bytes", None)
+            out["details"] = dict(getattr(pending, "details", None) or {})
+            del state, pending
     out["peak_rss_save_bytes"] = peak_rss_bytes()
+    out["peak_private_save_bytes"] = private.peak
+    out["pinned_host_bytes"] = pinned_host_bytes()
     out["writer_child_peak_rss_bytes"] = _children_peak_rss_bytes() or None
     return out
 
@@ -331,14 +358,15 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     dist.barrier()
     rss_reset = reset_peak_rss()
     rss_start = current_rss_bytes()
-    t0 = time.perf_counter()
-    restored = system.restore(template)
-    if device != "cpu":
-        # restored means usable: copies a system left in flight on the GPU count
-        import torch
+    with PrivateMemory() as private:
+        t0 = time.perf_counter()
+        restored = system.restore(template)
+        if device != "cpu":
+            # restored means usable: copies a system left in flight on the GPU count
+            import torch
 
-        torch.cuda.synchronize()
-    t1 = time.perf_counter()
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
     peak = peak_rss_bytes()
     del template, tmpl
     problems = verify(
@@ -352,9 +380,45 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     return {
         "restore_s": t1 - t0,
         "peak_rss_bytes": peak,
+        "peak_private_bytes": private.peak,
+        "peak_unshared_bytes": private.peak_unshared,
         "rss_reset": rss_reset,
         "rss_at_start_bytes": rss_start,
         "problems": problems,
+    }
+
+
+def _loop_phase(ctx: RankContext, spec: RunSpec, durable_s: float) -> Dict[str, Any]:
+    """One rank's loop-overhead measurement (see :mod:`.loop`): the same training loop without
+    saves, then saving every SAVE_EVERY steps; compute between saves outlasts a save."""
+    import torch.distributed as dist
+
+    from .workload import Workload
+
+    cls = load_system(spec.system)
+    device = rank_device(ctx, spec.device)
+    wl = Workload(
+        spec.bytes_per_rank, ctx.world_size, ctx.rank, flavour=cls.flavour, seed=spec.seed, device=device
+    )
+    # every rank the same compute: the slowest rank's durable
+    compute = Compute(wl.device, COMPUTE_MARGIN * durable_s / SAVE_EVERY)
+    system = cls()
+    system.setup(ctx)
+    steps = SAVE_EVERY * spec.loop_saves
+    dist.barrier()
+    without = run_loop(wl, compute, system, steps, 1_000, save=False)
+    dist.barrier()
+    with PrivateMemory() as mem:
+        saving = run_loop(wl, compute, system, steps, 1_000 + steps, save=True)
+    dist.barrier()
+    system.teardown()
+    return {
+        "without_s": without["seconds"],
+        "with_s": saving["seconds"],
+        "saves": saving["saves"],
+        "overhead_per_save_s": (saving["seconds"] - without["seconds"]) / max(1, saving["saves"]),
+        "step_s": without["seconds"] / max(1, steps),
+        "peak_private_bytes": mem.peak,
     }
 
 
@@ -372,8 +436,8 @@ def _dir_bytes(root: str) -> int:
     return total
 
 
-def _median(values: List[float]) -> Optional[float]:
-    vals = [v for v in values if v is not None]
+def _median(values: List[Any]) -> Optional[float]:
+    vals = [v for v in values if isinstance(v, (int, float))]  # per-save lists have none
     return statistics.median(vals) if vals else None
 
 
@@ -415,6 +479,12 @@ _REP_METRICS = (
     "peak_rss_restore_node_loss_bytes",
     "rss_at_start_save_bytes",
     "rss_at_start_restore_bytes",
+    "max_stall_s",
+    "peak_private_save_bytes",
+    "pinned_host_bytes",
+    "host_bytes_per_rank",
+    "loop_overhead_s",
+    "loop_step_s",
 )
 #: The restore phases of a repetition, in order: (case, metric of its time).
 _RESTORE_CASES = (("restart", "restore_restart_s"), ("node_loss", "restore_node_loss_s"))
@@ -446,7 +516,12 @@ class _Config:
         return f"bench-{self.name}-{format_size(self.spec.bytes_per_rank)}-w{self.world_size}-r{rep}"
 
     def launch_phase(
-        self, fn: Callable[..., Any], cluster: ClusterSpec, phase: str, services: Optional[NodeServices]
+        self,
+        fn: Callable[..., Any],
+        cluster: ClusterSpec,
+        phase: str,
+        services: Optional[NodeServices],
+        *args,
     ) -> List[Any]:
         """Run ``fn`` in every rank; the ranks are SIGKILLed afterwards, as in a crash."""
         gib = self.spec.bytes_per_rank / (1 << 30)
@@ -454,7 +529,7 @@ class _Config:
             fn,
             self.world_size,
             cluster.tmp_root,
-            args=(self.spec,),
+            args=(self.spec, *args),
             phase=phase,
             # re-read for every phase: a replacement node's services may have changed it
             services=getattr(services, "info", None),
@@ -496,7 +571,20 @@ def _record_saves(tally: _Tally, rep: int, saves: List[Dict[str, Any]], cluster:
     per_rep["saved_bytes"].append(None if None in sb else max(sb))
     wc = [r["writer_child_peak_rss_bytes"] for r in saves if r["writer_child_peak_rss_bytes"]]
     per_rep["writer_child_peak_rss_bytes"].append(max(wc) if wc else None)
-    per_rep["store_bytes_per_rank"].append(_dir_bytes(cluster.tmp_root) / cluster.world_size)
+    store = _dir_bytes(cluster.tmp_root) / cluster.world_size
+    per_rep["store_bytes_per_rank"].append(store)
+    # Every save from the first after a start: nothing hidden by warm-up saves.
+    per_rep["max_stall_s"].append(max(max(r["stalls_s"]) for r in saves))
+    per_rep.setdefault("stalls_s", [None] * rep).append(
+        [max(r["stalls_s"][i] for r in saves) for i in range(len(saves[0]["stalls_s"]))]
+    )
+    private = max(r["peak_private_save_bytes"] for r in saves)
+    pinned = max(r["pinned_host_bytes"] for r in saves)
+    per_rep["peak_private_save_bytes"].append(private)
+    per_rep["pinned_host_bytes"].append(pinned)
+    # What a node needs per rank: the store (shared pages, once) + private memory + page-locked
+    # host allocations (counted apart: drivers do not always show them in RssAnon).
+    per_rep["host_bytes_per_rank"].append(store + private + pinned)
     for k in sorted({k for r in saves for k in r["details"]}):
         # a detail first seen in a later repetition has no figure for the earlier ones
         per_rep.setdefault(f"detail_{k}", [None] * rep).append(
@@ -526,6 +614,12 @@ def _restore_phases(
         per_rep[metric].append(max(r["restore_s"] for r in res))
         peak = max(r["peak_rss_bytes"] for r in res)
         per_rep[f"peak_rss_restore_{case}_bytes"].append(peak)
+        per_rep.setdefault(f"peak_private_restore_{case}_bytes", [None] * rep).append(
+            max(r["peak_private_bytes"] for r in res)
+        )
+        per_rep.setdefault(f"peak_unshared_restore_{case}_bytes", [None] * rep).append(
+            max(r["peak_unshared_bytes"] for r in res)
+        )
         peaks.append(peak)
         starts.append(_max_or_none([r["rss_at_start_bytes"] for r in res]))
         tally.rss_reset_ok &= all(r["rss_reset"] for r in res)
@@ -572,6 +666,11 @@ def _run_rep(cfg: _Config, rep: int, reps: int, tally: _Tally) -> bool:
         saves = cfg.launch_phase(_save_phase, cluster, "save", services)
         _record_saves(tally, rep, saves, cluster)
         _restore_phases(cfg, cluster, services, rep, tally)
+        if cfg.spec.loop_saves:
+            durable = max(r["steady_durable_s"] for r in saves)
+            loops = cfg.launch_phase(_loop_phase, cluster, "loop", services, durable)
+            tally.per_rep["loop_overhead_s"].append(max(r["overhead_per_save_s"] for r in loops))
+            tally.per_rep["loop_step_s"].append(max(r["step_s"] for r in loops))
         cfg.log(_rep_line(cfg, rep, reps, tally))
     except Exception as e:  # one configuration failing must not lose the others' figures
         tally.errors.append(f"rep {rep}: {type(e).__name__}: {e}")
@@ -599,10 +698,11 @@ def run_config(
     log: Callable[[str], None] = print,
     warmup_saves: int = 3,
     device: str = "cpu",
+    loop_saves: int = 0,
     link: Optional[LinkShape] = None,
 ) -> Dict[str, Any]:
     """All repetitions of one (system, size, world size[, link]); returns the JSON record."""
-    spec = RunSpec(spec_str, bytes_per_rank, warmup_saves=warmup_saves, device=device)
+    spec = RunSpec(spec_str, bytes_per_rank, warmup_saves=warmup_saves, device=device, loop_saves=loop_saves)
     cfg = _Config(name, spec, cls, world_size, ranks_per_node, replication_factor, shm_dir, log, link)
     tally = _Tally()
     for rep in range(reps):
@@ -683,6 +783,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="saves before the timed one, identical for every system (default 3: "
         "steady state once retention recycles buffers)",
+    )
+    p.add_argument(
+        "--loop-saves",
+        type=int,
+        default=0,
+        help="also run a training loop saving every 4 steps this many times, against the same "
+        "loop without saves: the overhead per save a user feels (default 0: no loop; "
+        "scripts/gpu_check runs 3)",
     )
     p.add_argument(
         "--quick", action="store_true", help="small and fast (< 2 min): 64M, W=2, 1 rep, small limit buffers"
@@ -910,6 +1018,7 @@ def _run_all(
                         log=log,
                         warmup_saves=args.warmup_saves,
                         device=args.device,
+                        loop_saves=args.loop_saves,
                         link=link,
                     )
                 )
@@ -946,6 +1055,7 @@ def _document(
             "warmup_saves": args.warmup_saves,
             "timed_iteration": ITERATION,
             "device": args.device,
+            "loop_saves": args.loop_saves,
             "fabric": args.fabric,
         },
         "rss_method": RSS_METHOD,

@@ -25,6 +25,7 @@ import dataclasses
 import uuid
 from typing import Any, List, Optional
 
+import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -80,6 +81,8 @@ class MemoryStorageWriter(ManagerBacked, StorageWriter, AsyncStager):
         #: the gate the next save thread opens, and the one async_save's caller waits on
         self._gate: Optional[StagingGate] = None
         self._pending_gate: Optional[StagingGate] = None
+        #: async_save: the caller's CUDA stream, captured in stage() (its own thread)
+        self._caller_stream: Any = None
         self.last_save_metrics: Optional[SaveMetrics] = None
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
@@ -126,6 +129,7 @@ class MemoryStorageWriter(ManagerBacked, StorageWriter, AsyncStager):
         """Save this rank's items as its payload of the iteration; return when every rank's
         save is agreed complete (raises CheckpointingException on every rank otherwise)."""
         gate, self._gate = self._gate, None
+        stream, self._caller_stream = self._caller_stream, None
         results: List[WriteResult] = []
         is_coordinator = self._is_coordinator
 
@@ -138,7 +142,9 @@ class MemoryStorageWriter(ManagerBacked, StorageWriter, AsyncStager):
 
         try:
             handle = self.manager.save_local(payload, self.iteration, is_async=True)
-            handle.wait_staged()
+            # The caller may mutate once this returns (sync save) or the gate opens
+            # (async_save): GPU copies ordered before its stream's later work, CPU ones done.
+            handle.fence(stream)
         finally:
             if gate is not None:
                 gate.release()
@@ -162,6 +168,8 @@ class MemoryStorageWriter(ManagerBacked, StorageWriter, AsyncStager):
         and ``synchronize_staging`` holds ``async_save``'s caller until it has."""
         gate = StagingGate(self.manager.timeout_s)
         self._gate = self._pending_gate = gate
+        # async_save: write_data runs on another thread; the fence is for the caller's stream.
+        self._caller_stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
         return state_dict
 
     def synchronize_staging(self) -> None:

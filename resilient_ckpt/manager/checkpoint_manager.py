@@ -31,11 +31,12 @@ from collections import deque
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from ..errors import StoreError, ValidationError
+from ..memory.segment import Segment
 from ..memory.staging import SegmentPrefetcher, Stager
 from ..memory.store import DEFAULT_ROOT, CheckpointStore, validate_session_id
 from ..parallel import collectives
@@ -95,13 +96,19 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         replication_factor: copies of each rank's data (1 = no replication; default 2).
         replication_jump: rank distance between copies (default: ranks per node, from
             ``LOCAL_WORLD_SIZE``) so copies land on other nodes.
-        keep_last: complete iterations kept in memory. ``keep_last=1`` is the least memory (the
-            retention nvidia-resiliency-ext has): only the newest complete iteration, retired
-            segments released instead of pooled, no spare segment (see ``spare_segment``).
-        spare_segment: keep the next save's segment allocated and populated between saves, so
-            the save copies at memory speed instead of into fresh pages (measured: 14 ms vs
-            72 ms per 162 MiB on 2 vCPUs) at the cost of one more copy of the rank's bytes in
-            the store. Default: on when ``keep_last > 1``, off with ``keep_last=1``.
+        keep_last: complete iterations kept in memory (default 1: the newest complete
+            iteration, the retention nvidia-resiliency-ext has; retired replicas are released,
+            not pooled). More keep older iterations restorable, at one more copy each.
+        spare_segment: keep the next save's segment allocated, populated and — GPU state —
+            page-locked between saves (default on), so the save copies at memory speed (GPU:
+            device-to-host at the link's rate) instead of into fresh pages (measured: 14 ms vs
+            72 ms per 162 MiB on 2 vCPUs), at the cost of one more copy of the rank's own
+            bytes in the store (nvidia-resiliency-ext holds as much in its host copy).
+        device_snapshot: GPU state saved when no page-locked segment is ready (the first save
+            after a start, a new size): ``"auto"`` (default) copies it within the GPU first
+            when the GPU has room, so the save's stall ends there and the way down to the store
+            runs in the background; ``"always"`` does so on every save; ``"never"`` copies
+            into pageable memory instead (synchronous).
         parallelization_group: group over which replicated shards are deduplicated on save
             and exchanged on load (default: the world).
         placement: ``"ring"`` (any world size) or ``"clique"`` (nvidia-resiliency-ext parity).
@@ -147,10 +154,11 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         store_root: str = DEFAULT_ROOT,
         replication_factor: Optional[int] = None,
         replication_jump: Optional[int] = None,
-        keep_last: int = 2,
+        keep_last: int = 1,
         parallelization_group: Optional[dist.ProcessGroup] = None,
         *,
-        spare_segment: Optional[bool] = None,
+        spare_segment: bool = True,
+        device_snapshot: str = "auto",
         replication: Optional[ReplicationOptions] = None,
         persistent: Optional[PersistentOptions] = None,
         service: Optional[ServiceOptions] = None,
@@ -187,6 +195,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
             store_root=store_root,
             keep_last=keep_last,
             spare_segment=spare_segment,
+            device_snapshot=device_snapshot,
             memory_budget=memory_budget,
             timeout_s=timeout_s,
             exchange_algo=exchange_algo,
@@ -197,7 +206,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.keep_last = opts.keep_last
-        self.spare_segment = opts.keep_last > 1 if opts.spare_segment is None else bool(opts.spare_segment)
+        self.spare_segment = bool(opts.spare_segment)
         self.parallelization_group = parallelization_group
         self.timeout_s = opts.timeout_s
         self.exchange_algo = opts.exchange_algo
@@ -315,6 +324,9 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         #: of the same structure reuses: manager.saving); None until then or after a failure
         self._structure = None
         self._in_flight: Deque[Tuple[int, Future]] = deque()
+        #: this rank's complete checkpoints' segments, kept mapped (GPU state: page-locked)
+        #: until retired, when one becomes the next save's spare (manager.saving)
+        self._own_segments: Dict[int, Segment] = {}
         self._last_saved = -1
         #: "tasd" or "dict": what save_local was given (decides whether a save is collective)
         self._kind: Optional[str] = None
@@ -394,7 +406,12 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
             from ..persistent.tier import PersistentTier
 
             self._tier = PersistentTier(
-                p.directory, every_n_saves=p.flush_every, session=self.session_id, keep_last=self.keep_last
+                p.directory,
+                every_n_saves=p.flush_every,
+                session=self.session_id,
+                # at least two durable checkpoints whatever memory keeps (a shared file system
+                # is not the scarce resource, and the newest may be the one a crash cut short)
+                keep_last=max(2, self.keep_last),
             )
             if p.flush_on_sigterm:
                 self._tier.install_sigterm_handler()
@@ -416,14 +433,16 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
     # ---- nvidia-resiliency-ext LocalCheckpointManager compatibility ---------------------------
 
     def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> Optional[LocalAsyncRequest]:
-        """``LocalCheckpointManager.save``. Returns once the state is staged in the node's store
-        (the optimizer may then change the tensors). ``is_async=False``: once the save is
-        complete on every rank. ``is_async=True``: an ``AsyncRequest`` for Megatron's
-        ``AsyncCallsQueue`` whose worker-side function returns when our save thread has finished
-        (so a non-blocking finalize poll never waits on replication) and whose finalize raises
-        if the save failed (see ``manager.async_request``)."""
+        """``LocalCheckpointManager.save``. Returns once the optimizer may change the tensors:
+        CPU tensors are staged in the node's store, and the copies of GPU tensors are ordered
+        before any later work on the current CUDA stream (``SaveHandle.fence``: the GPU waits
+        for them, the CPU does not). ``is_async=False``: once the save is complete on every
+        rank. ``is_async=True``: an ``AsyncRequest`` for Megatron's ``AsyncCallsQueue`` whose
+        worker-side function returns when our save thread has finished (so a non-blocking
+        finalize poll never waits on replication) and whose finalize raises if the save failed
+        (see ``manager.async_request``)."""
         handle = self.save_local(state_dict, iteration, is_async=True)
-        handle.wait_staged()
+        handle.fence()
         if not is_async:
             handle.wait()
             return None
@@ -443,6 +462,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         self._worker.shutdown(wait=True)
         self._stager.shutdown()
         self._prefetcher.close()
+        self._close_own_segments()
 
     def __enter__(self) -> "CheckpointManager":
         return self

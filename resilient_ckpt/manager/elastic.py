@@ -26,8 +26,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import torch
 
 from ..errors import CorruptCheckpointError, ValidationError
-from ..memory import checksum
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, map_readonly
+from ..memory.layout import CheckpointHeader, CheckpointId
+from ..memory.store import CheckpointStore
+from ..memory.transfer import Read, read_into
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge
 from ..parallel import collectives
@@ -40,7 +41,8 @@ from ..parallel.resharding import (
     local_slices,
     plan_reshard,
 )
-from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict, PreparedTemplate, sharded_objects
+from ..parallel.template import PreparedTemplate, sharded_objects
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.transport import Incoming, Outgoing
 from .metrics import LoadMetrics
 from .restore import Holdings
@@ -181,12 +183,13 @@ class ElasticLoad:
         targets = [_target(st) for st in template.shards]
         sources = _Sources(self.store, it, self.session_id, parsed, me)
         bad: List[List[int]] = []
+        sources.load([p for p in pieces if p.src == me], template, targets, bad)
         out_by_dst: Dict[int, List[Piece]] = {}
         in_by_src: Dict[int, List[Piece]] = {}
         for p in pieces:
             if p.src == me and p.dst == me:
-                view = sources.piece(p, bad)
-                if view is not None:
+                view = sources.piece(p)
+                if view is not None and (p.owner, p.index, p.slot) not in sources.placed:
                     _place(targets, template.shards, p, view)
             elif p.src == me:
                 out_by_dst.setdefault(p.dst, []).append(p)
@@ -194,7 +197,7 @@ class ElasticLoad:
                 in_by_src.setdefault(p.src, []).append(p)
         outgoing = []
         for dst, ps in sorted(out_by_dst.items()):
-            views = [sources.piece(p, bad) for p in ps]
+            views = [sources.piece(p) for p in ps]
             if any(v is None for v in views):
                 outgoing.append(Outgoing(dst, b"", torch.empty(0, dtype=torch.uint8)))
                 continue
@@ -325,7 +328,10 @@ def _parse_headers(gathered, iteration: int, n: int, session: str, allow_pickle:
 
 
 class _Sources:
-    """Saved tensors this rank reads from its node's store (mapped once, verified once)."""
+    """Saved tensors this rank reads from its node's store, moved through ``memory/transfer``
+    (verified on the way, no segment mapped): a local piece that is a whole saved tensor and a
+    whole template tensor goes straight into the template; every other saved tensor a piece
+    needs is read once into its own memory."""
 
     def __init__(self, store: CheckpointStore, iteration: int, session: str, parsed, me: int):
         self.me = me
@@ -333,39 +339,54 @@ class _Sources:
         self.iteration = iteration
         self.session = session
         self.parsed = parsed
-        self._maps: Dict[int, Any] = {}
-        self._verified: Dict[Tuple[int, int], bool] = {}
+        self._read: Dict[Tuple[int, int], Optional[torch.Tensor]] = {}  # None: failed its checksum
+        self.placed: Set[Tuple[int, int, int]] = set()  # (owner, index, slot) read into the template
 
-    def _buffer(self, owner: int) -> torch.Tensor:
-        if owner not in self._maps:
-            h = self.parsed[owner].header
-            path = self.store.data_path(CheckpointId(self.iteration, owner, self.session))
-            self._maps[owner] = map_readonly(path, h.data_nbytes, populate=True)
-        return self._maps[owner][1]
-
-    def piece(self, p: Piece, bad: List[List[int]]) -> Optional[torch.Tensor]:
-        """A view of the saved tensor's part ``p.box`` (None when it fails its checksum)."""
-        parsed = self.parsed[p.owner]
-        lay = parsed.header.tensors[p.index]
-        shard = parsed.shards[p.index]
-        try:
-            raw = self._buffer(p.owner)[lay.offset : lay.offset + lay.nbytes]
-        except (OSError, ValueError) as e:
-            logger.warning("cannot read saved rank %d's tensor %d: %s", p.owner, p.index, e)
-            bad.append([p.owner, p.index, self.me])
-            return None
-        key = (p.owner, p.index)
-        if key not in self._verified:
-            ok = (
-                lay.checksum is None
-                or not lay.nbytes
-                or checksum.digest(checksum.byte_view(raw)) == lay.checksum
+    def load(
+        self, pieces: Sequence[Piece], template: PreparedTemplate, targets: List[torch.Tensor], bad
+    ) -> None:
+        """Read every saved tensor the pieces this rank serves need (one pass per saved rank)."""
+        by_owner: Dict[int, List[Read]] = {}
+        for p in pieces:
+            key = (p.owner, p.index)
+            if key in self._read:
+                continue
+            lay = self.parsed[p.owner].header.tensors[p.index]
+            shard = self.parsed[p.owner].shards[p.index]
+            dst = targets[p.slot] if p.dst == self.me else None
+            whole = (
+                dst is not None
+                and p.box == shard.box
+                and p.box == box_of(template.shards[p.slot])
+                and dst.is_contiguous()
+                and dst.dtype == lay.torch_dtype
+                and dst.numel() * dst.element_size() == lay.nbytes
             )
-            self._verified[key] = ok
-        if not self._verified[key]:
-            bad.append([p.owner, p.index, self.me])
+            buf = dst.view(lay.shape) if whole else torch.empty(lay.shape, dtype=lay.torch_dtype)
+            if whole:
+                self.placed.add((p.owner, p.index, p.slot))
+            self._read[key] = buf
+            by_owner.setdefault(p.owner, []).append(Read(lay.offset, lay.nbytes, lay.checksum, buf, p.index))
+        for owner, reads in by_owner.items():
+            path = self.store.data_path(CheckpointId(self.iteration, owner, self.session))
+            try:
+                moved = read_into(str(path), reads)
+                moved.fence()
+                failed = set(moved.failed) | set(moved.short)
+            except OSError as e:
+                logger.warning("cannot read saved rank %d's tensors: %s", owner, e)
+                failed = {r.index for r in reads}
+            for index in failed:
+                self._read[(owner, index)] = None
+                self.placed = {x for x in self.placed if x[:2] != (owner, index)}
+                bad.append([owner, index, self.me])
+
+    def piece(self, p: Piece) -> Optional[torch.Tensor]:
+        """A view of the saved tensor's part ``p.box`` (None when it failed its checksum)."""
+        t = self._read.get((p.owner, p.index))
+        if t is None:
             return None
-        t = raw.view(lay.torch_dtype).view(lay.shape)
+        shard = self.parsed[p.owner].shards[p.index]
         return t[local_slices(p.box, shard.box, shard.prepend)]
 
 

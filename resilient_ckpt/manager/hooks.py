@@ -10,9 +10,11 @@ Usage in a plain loop::
         hook.step(step)                         # saves after steps 99, 199, ...
 
 A save taken after step ``s`` holds the state *after* ``s``; :meth:`restore` returns ``s + 1``,
-the next step to run. Saved tensors must not change until their copies finish: the hook
-registers an optimizer pre-step hook that waits for staging (``wait_staged``) — usually
-free, since the copies overlap forward/backward. A failed save is a warning (plus the
+the next step to run. Saved tensors must not change until their copies have read them: the
+hook registers an optimizer pre-step hook that fences the latest save (``SaveHandle.fence``):
+the optimizer's kernels on the current CUDA stream run after the device-to-host copies (the GPU
+waits, the CPU does not), and CPU tensors' copies are waited for — usually free, since the
+copies overlap forward/backward. A failed save is a warning (plus the
 ``failed_saves`` counter), not a crash, unless ``raise_on_failure=True``.
 """
 
@@ -121,16 +123,25 @@ class CheckpointHook:
         A failed copy does not raise here (this runs inside ``optimizer.step()``): the save
         fails and is reported like any failed save, by :meth:`step` or :meth:`finish`.
         """
+        self._settle_latest(SaveHandle.wait_staged)
+
+    def fence(self) -> None:
+        """Order mutations after the latest save's copies without a CPU wait for GPU copies
+        (see ``SaveHandle.fence``); runs before every ``optimizer.step()``. A failed copy does
+        not raise here: the save fails and is reported like any failed save."""
+        self._settle_latest(SaveHandle.fence)
+
+    def _settle_latest(self, how) -> None:
         handle, self._last = self._last, None
         if handle is None:
             return
         try:
-            handle.wait_staged()
+            how(handle)
         except Exception as e:  # reported through the save's handle
             logger.debug("staging of step %d failed: %s", handle.iteration, e)
 
     def _before_optimizer_step(self, *_args, **_kwargs) -> None:
-        self.wait_staged()
+        self.fence()
 
     def _collect_finished(self) -> None:
         done = [h for h in self._pending if h.done()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -22,25 +23,36 @@ from ..errors import (
     PeerFailedError,
     StoreError,
 )
-from ..memory.store import CheckpointId
+from ..memory.layout import CheckpointId
 from ..model.nested import map_leaves
 from ..model.validation import StrictHandling
 from ..parallel import collectives
+from ..parallel.load_checks import RestoreCheck, check_restorable
 from ..parallel.opaque_state_dict import is_opaque, load_opaque
-from ..parallel.tensor_aware_state_dict import (
-    MCoreTensorAwareStateDict,
-    RestoreCheck,
-    check_restorable,
-    prepare_template,
-    template_targets,
-)
+from ..parallel.template import prepare_template, template_targets
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import group_of
 from ..replication.parity_peer import rebuild_lost
 from ..replication.placement import plan_retrieval
 from .metrics import LoadMetrics
 from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
+from .restore_plan import PERSISTENT, RESHARDED, RestorePlan, plan_restore
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """A restore's inputs, prepared once (see ``LoadPath._restore_request``)."""
+
+    raw: Any = None  # the caller's template as given
+    strict: Any = StrictHandling.ASSUME_OK_UNEXPECTED
+    reshard_objects: Optional[Callable] = None
+    elastic_template: Optional[Callable[[], Any]] = None
+    template: Any = None  # prepared (PreparedTemplate)
+    targets: Dict[Any, torch.Tensor] = field(default_factory=dict)
+    failure: Optional[BaseException] = None  # a local failure, raised together later
+    t0: float = field(default_factory=time.perf_counter)
 
 
 class LoadPath:
@@ -118,59 +130,90 @@ class LoadPath:
         objects and ``reshard_objects``). Without a template, ``elastic_template()`` is called
         for one then (``CheckpointHook`` passes its TrainState's).
         """
-        t0 = time.perf_counter()
-        # Local steps that may fail on one rank only travel with the next collective, so every
-        # rank stops together (never a peer left in a gather until a timeout).
-        local: Optional[BaseException] = None
-        raw_template = template
-        try:
-            if template is not None:
-                # Walked once here; every step below takes the prepared template.
-                template = prepare_template(template)
-            targets = template_targets(template) if template is not None else {}
-        except Exception as e:
-            local, targets = e, {}
-        self.wait_for_saves()
-        holdings = self._holdings(local)
-        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
-        elastic = self._elastic_choice(holdings, complete[0] if complete else -1)
-        if elastic is not None:
-            if template is None and elastic_template is not None and local is None:
-                try:
-                    template = prepare_template(elastic_template())
-                except Exception as e:  # travels with the next collective: every rank stops
-                    local = e
-            return self._load_elastic(template, elastic, holdings, local, t0, reshard_objects)
-        self._raise_if_only_foreign(holdings)
-        tier = self._persistent_tier()
-        if tier is not None:
-            out = self._maybe_load_persistent(tier, raw_template, t0, complete[0] if complete else -1)
+        request = self._restore_request(template, strict, reshard_objects, elastic_template)
+        plan = self._plan_restore(request)  # 1. plan: gathered facts, then a pure decision
+        if plan.kind == RESHARDED:  # another world size: its own plan/agree/move/fill
+            return self._restore_resharded(plan, request)
+        if plan.kind == PERSISTENT:  # the tier's DCP checkpoint, newer than memory's
+            out = self._restore_persistent(plan, request)
             if out is not None:
                 return out
-        retrieved, iteration = self._retrieve_latest(
-            borrow=True,
-            targets=targets,
-            holdings=holdings,
-            failure=local,
-            template=template,
-            strict=strict,
-        )
+        retrieved, iteration = self._agree_and_move(plan, request, borrow=True)  # 2. agree, 3. move
         if retrieved is None:
             return None
+        return self._fill_restored(retrieved, iteration, request)  # 4. fill
+
+    # ---- the stages -----------------------------------------------------------------------
+
+    def _restore_request(self, template, strict, reshard_objects=None, elastic_template=None) -> "_Request":
+        """What the caller asked for, the template prepared once (every stage takes it). A
+        failure here travels with the first collective, so every rank stops together."""
+        req = _Request(raw=template, strict=strict, reshard_objects=reshard_objects)
+        req.elastic_template = elastic_template
+        try:
+            if template is not None:
+                req.template = prepare_template(template)
+            req.targets = template_targets(req.template) if req.template is not None else {}
+        except Exception as e:
+            req.failure = e
+        return req
+
+    def _plan_restore(self, req: "_Request", memory_only: bool = False) -> RestorePlan:
+        """Stage 1: drain saves, gather every node store's holdings (and the persistent tier's
+        agreed newest iteration), then decide from those facts alone (``plan_restore``).
+        ``memory_only``: this world size's checkpoints in memory, nothing else (the
+        reference's ``load``)."""
+        self.wait_for_saves()
+        holdings = self._holdings(req.failure)
+        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
+        elastic = None if memory_only else self._elastic_choice(holdings, complete[0] if complete else -1)
+        durable = None
+        if elastic is None:
+            self._raise_if_only_foreign(holdings)
+            tier = None if memory_only else self._persistent_tier()
+            if tier is not None:
+                latest = tier.agreed_latest()  # collective over the tier's group
+                durable = latest.iteration if latest is not None else None
+        return plan_restore(holdings, complete, elastic, durable)
+
+    def _restore_resharded(self, plan: RestorePlan, req: "_Request") -> Tuple[Any, int]:
+        template = req.template
+        if template is None and req.elastic_template is not None and req.failure is None:
+            try:
+                template = prepare_template(req.elastic_template())
+            except Exception as e:  # travels with the next collective: every rank stops
+                req.failure = e
+        return self._load_elastic(
+            template, plan.elastic, plan.holdings, req.failure, req.t0, req.reshard_objects
+        )
+
+    def _restore_persistent(self, plan: RestorePlan, req: "_Request") -> Optional[Tuple[Any, int]]:
+        return self._load_persistent(
+            self._persistent_tier(), req.raw, req.t0, plan.newest_in_memory, plan.durable
+        )
+
+    def _fill_restored(self, retrieved: Retrieved, iteration: int, req: "_Request") -> Tuple[Any, int]:
+        """Stage 4: the checkpoint decoded, the shards this rank did not save found (replicas
+        in the node's store, else the load exchange), the template filled; then healing, and
+        the next save's segment made ahead."""
+        local: Optional[BaseException] = None
         tasd = self._decode(retrieved, iteration)
         extra: Dict[Any, torch.Tensor] = {}
         try:
-            extra = self._extra_shards(retrieved, tasd, iteration, targets)
+            extra = self._extra_shards(retrieved, tasd, iteration, req.targets)
         except Exception as e:
             local = e
         collectives.fail_together(local, f"restoring iteration {iteration}", self._control_group())
         t1 = time.perf_counter()
-        state = _unborrow(self._fill(tasd, template, strict, extra), retrieved.borrowed_storages())
+        state = _unborrow(self._fill(tasd, req.template, req.strict, extra), retrieved.borrowed_storages())
+        own_nbytes = retrieved.header.data_nbytes if retrieved.header is not None else 0
         del tasd, retrieved, extra
         self._heal_after_restore()
+        # The next save is of this size, usually: its segment is made (GPU state: locked) now.
+        self.prepare_next_segment(own_nbytes, any(t.is_cuda for t in req.targets.values()))
         m = self.last_load_metrics
         m.to_state_dict_s = time.perf_counter() - t1
-        m.total_s = time.perf_counter() - t0
+        m.total_s = time.perf_counter() - req.t0
         logger.info("rank %d restored iteration %d from %s (rank %d) in %.3fs",
                     self.rank, iteration, m.source, m.source_rank, m.total_s)  # fmt: skip
         return state, iteration
@@ -314,16 +357,15 @@ class LoadPath:
                 )
         return gather_holdings(self.store, group, self.world_size)
 
-    def _maybe_load_persistent(self, tier, template, t0: float, in_memory: int) -> Optional[Tuple[Any, int]]:
-        """Load from the persistent tier if it is newer than ``in_memory`` (the newest complete
-        iteration of the gathered holdings: decided alike on every rank); None otherwise."""
-        durable = tier.agreed_latest()
-        if durable is None or durable.iteration <= in_memory:
-            return None
+    def _load_persistent(
+        self, tier, template, t0: float, in_memory: int, durable: int
+    ) -> Optional[Tuple[Any, int]]:
+        """Load the persistent tier's newest checkpoint ``durable`` (the plan found it newer than
+        memory's ``in_memory``: decided alike on every rank); None if the tier has none after all."""
         if in_memory < 0:
             logger.warning(
                 "no complete in-memory checkpoint; restoring iteration %d from the persistent tier %s",
-                durable.iteration,
+                durable,
                 tier.directory,
             )
         out = tier.load(template, self._parallel_group())
@@ -345,21 +387,22 @@ class LoadPath:
         )
         return out
 
-    def _retrieve_latest(
-        self,
-        borrow: bool = False,
-        targets=None,
-        holdings: Optional[Holdings] = None,
-        failure: Optional[BaseException] = None,
-        template: Any = None,
-        strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    def _retrieve_latest(self) -> Tuple[Optional[Retrieved], int]:
+        """nvidia-resiliency-ext's ``load``: this rank's newest complete checkpoint, in private
+        memory (no template: nothing to agree on but the copies)."""
+        req = self._restore_request(None, StrictHandling.ASSUME_OK_UNEXPECTED)
+        return self._agree_and_move(self._plan_restore(req, memory_only=True), req, borrow=False)
+
+    def _agree_and_move(
+        self, plan: RestorePlan, req: "_Request", borrow: bool
     ) -> Tuple[Optional[Retrieved], int]:
-        self.wait_for_saves()
-        control = self._control_group()
-        if holdings is None:  # else gathered just before, after the same drain
-            holdings = gather_holdings(self.store, control, self.world_size, failure)
-            self._raise_if_only_foreign(holdings)
-        complete = holdings.complete_iterations(self.world_size, self.parity_groups)
+        """Stages 2 and 3 of a memory restore, newest complete iteration first: make every
+        owner's copy reachable (service pull, parity rebuild), **agree** on the template (one
+        collective verdict, before any byte is written into it), **move** the bytes (the node's
+        own copy straight into the template, peers' copies through the transport). Falls back
+        to an older iteration only when every copy of the newer one fails verification —
+        decided from gathered facts, so every rank falls back together."""
+        holdings, complete = plan.holdings, list(plan.complete)
         if not complete:
             self.latest_iteration = -1
             self._warn_unrestorable(holdings)
@@ -372,7 +415,7 @@ class LoadPath:
         except OSError as e:  # housekeeping: must not keep this rank from the collectives below
             logger.warning("could not recycle leftovers in %s: %s", self.store.dir, e)
         retrieved, iteration, holdings = self._first_restorable(
-            complete, holdings, borrow, targets, template, strict
+            complete, holdings, borrow, req.targets, req.template, req.strict
         )
         self._adopt(retrieved, iteration, holdings, complete)
         return retrieved, iteration
@@ -497,6 +540,7 @@ class LoadPath:
         never completed (a crash mid-save) or that cannot be restored. The restarted job saves
         those iterations again and must not find them taken. Other jobs' files (foreign) are
         left alone."""
+        self._close_own_segments(newer_than)
         try:
             cids = self.store.list()
             stale_parity = [

@@ -32,6 +32,13 @@ class SaveMetrics:
     #: redundancy="parity": seconds coding this rank's parity blocks, and the data bytes coded
     parity_encode_s: float = 0.0
     parity_coded_bytes: int = 0
+    #: host memory page-locked on the calling thread during ``save_local`` (GPU state: the
+    #: store's segments are locked ahead, off the save's path; anything but 0 is a regression)
+    pinned_on_save_bytes: int = 0
+    #: host memory this process holds page-locked once the save is complete (its segments)
+    pinned_held_bytes: int = 0
+    #: the GPU tensors were staged through a copy within the GPU (the stall ended there)
+    device_snapshot: bool = False
 
     def as_dict(self) -> Dict[str, float]:
         return dict(self.__dict__)
@@ -81,6 +88,13 @@ class SaveHandle:
         self._staging = staging
         self._future = future
         self.metrics = metrics
+
+    def fence(self, stream=None) -> None:
+        """Order the mutation of the saved tensors after their copies, without a CPU wait for
+        device copies: later work on ``stream`` (default: the current CUDA stream) runs after
+        the copies that read CUDA tensors; the copies of CPU tensors are waited for here. Call
+        it right before mutating (an optimizer step); ``wait_staged`` blocks instead."""
+        self.metrics.stall_s += self._staging.fence(stream)
 
     def wait_staged(self) -> float:
         """Block until the snapshot's copies are done: call before mutating saved tensors

@@ -70,9 +70,12 @@ class ManagerOptions:
     """Everything a manager was configured with, resolved."""
 
     store_root: str = DEFAULT_ROOT
-    keep_last: int = 2
-    #: keep the next save's segment populated between saves (None: only when keep_last > 1)
-    spare_segment: Optional[bool] = None
+    keep_last: int = 1
+    #: keep the next save's segment populated (GPU state: page-locked) between saves
+    spare_segment: bool = True
+    #: stage GPU tensors through a copy within the GPU first: "auto" (when no page-locked
+    #: segment is ready and the GPU has room), "always", "never"
+    device_snapshot: str = "auto"
     memory_budget: Optional[int] = None
     timeout_s: float = 120.0
     exchange_algo: str = "p2p"
@@ -145,9 +148,16 @@ def _mode(mode: Optional[str], service: ServiceOptions) -> str:
     return mode or ("service" if service.endpoint else "embedded")
 
 
+DEVICE_SNAPSHOT = ("auto", "always", "never")
+
+
 def _check(opts: ManagerOptions) -> None:
     if opts.keep_last < 1:
         raise ValidationError(f"keep_last must be >= 1, got {opts.keep_last}")
+    if opts.device_snapshot not in DEVICE_SNAPSHOT:
+        raise ValidationError(
+            f"device_snapshot must be one of {DEVICE_SNAPSHOT}, got {opts.device_snapshot!r}"
+        )
     if opts.replication.placement not in PLACEMENTS:
         raise ValidationError(f"placement must be 'ring' or 'clique', got {opts.replication.placement!r}")
     rep = opts.replication

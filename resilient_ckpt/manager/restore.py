@@ -25,7 +25,9 @@ from ..errors import (
     StoreError,
 )
 from ..memory import checksum
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, TensorLayout, failed_tensors
+from ..memory.layout import CheckpointHeader, CheckpointId, TensorLayout, failed_tensors
+from ..memory.store import CheckpointStore
+from ..memory.transfer import Read, read_into
 from ..parallel import collectives
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import ParityGroup, recoverable_owners
@@ -424,13 +426,11 @@ def _from_node(at: _Attempt, mine: Fetch) -> Retrieved:
     cid = at.cid(mine.owner)
     source = "local" if mine.source == at.me else "node"
     if at.borrow:
-        header, tensors, arena, nread, hollow = _read_local_into(
+        header, tensors, nread, hollow, bad = _read_local_into(
             at.store, cid, at.targets, at.decoded.get(mine.owner), at.allow_pickle
         )
-        _raise_if_bad(cid, mine.source, header, _verify_tensors(header, tensors))
-        return Retrieved(
-            header, tensors, mine.source, source, 0.0, nread, 1, borrowed=True, arena=arena, hollow=hollow
-        )
+        _raise_if_bad(cid, mine.source, header, bad)
+        return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1, hollow=hollow)
     header, arena, nread = _read_local(at.store, cid)
     _raise_if_bad(cid, mine.source, header, _verify(header, arena))
     return Retrieved(header, _views(header, arena), mine.source, source, 0.0, nread, 1, arena=arena)
@@ -497,10 +497,12 @@ def _read_local_into(
     hollow: Any = None,
     allow_pickle: bool = False,
 ):
-    """Borrow mode, the node's own copy: tensors with a target (same dtype/shape, contiguous,
-    CPU) are read from the store file straight into it; the others become read-only views of
-    a mapping of the segment (only mapped if needed). Returns (header, tensors, mapping or
-    None, bytes, decoded hollow state dict or None); ``hollow``: the header's, if decoded already."""
+    """Borrow mode, the node's own copy: every tensor moved from the store file straight into
+    its target (same dtype and shape, contiguous; CPU, or CUDA through page-locked chunks),
+    else into new CPU memory, verified on the way (``memory.transfer``; no segment is mapped).
+    Returns (header, tensors, bytes, decoded hollow state dict or None, indexes of tensors
+    failing their checksum); ``hollow``: the header's, if decoded already. CUDA copies are
+    ordered before the current stream's later work."""
     reader = store.open(cid)
     header = reader.header
     tensors: List[Optional[torch.Tensor]] = [None] * len(header.tensors)
@@ -511,21 +513,20 @@ def _read_local_into(
             raise CorruptCheckpointError(
                 f"{cid.stem()}: header lists {len(header.tensors)} tensors, metadata {len(sids)}"
             )
-        with open(reader.path, "rb", buffering=0) as f:
-            for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
-                t = targets.get(sid)
-                if not _fits(t, lay):
-                    continue
-                if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
-                    raise CorruptCheckpointError(f"{reader.path}: short read of tensor {i}")
+        for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
+            t = targets.get(sid)
+            if _fits(t, lay):
                 tensors[i] = t
-    arena = None
-    if any(t is None for t in tensors):
-        _m, arena = _map_readonly(reader)
-        for i, lay in enumerate(header.tensors):
-            if tensors[i] is None:
-                tensors[i] = arena[lay.offset : lay.offset + lay.nbytes].view(lay.torch_dtype).view(lay.shape)
-    return header, tensors, arena, header.data_nbytes, hollow
+    reads = []
+    for i, lay in enumerate(header.tensors):
+        if tensors[i] is None:
+            tensors[i] = torch.empty(lay.shape, dtype=lay.torch_dtype)
+        reads.append(Read(lay.offset, lay.nbytes, lay.checksum, tensors[i], i))
+    moved = read_into(str(reader.path), reads)
+    if moved.short:
+        raise CorruptCheckpointError(f"{reader.path}: short read of tensors {moved.short[:8]}")
+    moved.fence()
+    return header, tensors, header.data_nbytes, hollow, moved.failed
 
 
 def read_local_shards(
@@ -547,58 +548,37 @@ def read_local_shards(
             reader = store.open(cid)
             header = reader.header
             metas = MCoreTensorAwareStateDict.saved_metadata_from_bytes(header.meta, allow_pickle)
-            with open(reader.path, "rb", buffering=0) as f:
-                for lay, st in zip(header.tensors, metas):
-                    t = wanted.get(st.shard_id)
-                    if st.shard_id in filled or not _fits(t, lay):
-                        continue
-                    if lay.nbytes and _pread_into(f.fileno(), t, lay.offset) != lay.nbytes:
-                        continue
-                    if (
-                        lay.checksum is not None
-                        and lay.nbytes
-                        and checksum.digest(checksum.byte_view(t)) != lay.checksum
-                    ):
-                        logger.warning(
-                            "%s: shard %s fails its checksum; fetching it from a peer",
-                            cid.stem(),
-                            st.shard_id,
-                        )
-                        continue
-                    filled[st.shard_id] = t
+            reads, sids = [], {}
+            for i, (lay, st) in enumerate(zip(header.tensors, metas)):
+                t = wanted.get(st.shard_id)
+                if st.shard_id not in filled and st.shard_id not in sids.values() and _fits(t, lay):
+                    reads.append(Read(lay.offset, lay.nbytes, lay.checksum, t, i))
+                    sids[i] = st.shard_id
+            moved = read_into(str(reader.path), reads)
+            moved.fence()
+            for i, sid in sids.items():
+                if i in moved.failed or i in moved.short:
+                    # the load exchange brings it from another rank (it overwrites the target)
+                    logger.warning(
+                        "%s: shard %s fails its checksum; fetching it from a peer", cid.stem(), sid
+                    )
+                else:
+                    filled[sid] = wanted[sid]
         except (StoreError, OSError) as e:
             logger.warning("cannot read %s for local shards: %s", cid.stem(), e)
     return filled
 
 
 def _fits(t: Optional[torch.Tensor], lay: TensorLayout) -> bool:
-    """``t`` can take the stored tensor's bytes by pread: CPU, contiguous, same dtype and shape."""
+    """``t`` can take the stored tensor's bytes as they are: contiguous, same dtype and shape,
+    on the CPU or a GPU (``memory.transfer`` moves them either way)."""
     return (
         t is not None
-        and t.device.type == "cpu"
+        and t.device.type in ("cpu", "cuda")
         and t.is_contiguous()
         and t.dtype == lay.torch_dtype
         and tuple(t.shape) == lay.shape
     )
-
-
-def _pread_into(fd: int, t: torch.Tensor, offset: int) -> int:
-    view = checksum.byte_view(t)
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            break
-        done += got
-    return done
-
-
-def _verify_tensors(header: CheckpointHeader, tensors: Sequence[torch.Tensor]) -> List[int]:
-    return [
-        i
-        for i, (l, t) in enumerate(zip(header.tensors, tensors))
-        if l.checksum is not None and l.nbytes and checksum.digest(checksum.byte_view(t)) != l.checksum
-    ]
 
 
 def _verify(header: CheckpointHeader, arena: torch.Tensor) -> List[int]:

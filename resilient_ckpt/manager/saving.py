@@ -15,8 +15,9 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from ..errors import (
@@ -27,32 +28,26 @@ from ..errors import (
     ValidationError,
 )
 from ..gc_pause import paused_gc
-from ..memory import checksum
-from ..memory.staging import RunPlan, StagingHandle
-from ..memory.store import (
+from ..memory import checksum, pinning
+from ..memory.layout import (
     CheckpointHeader,
     CheckpointId,
     ParityId,
-    Segment,
     TensorLayout,
     new_layout,
     plan_layout_runs,
     writer_name,
 )
+from ..memory.segment import Segment
+from ..memory.staging import RunPlan, StagingHandle
 from ..model.validation import object_record
 from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution, structure_fingerprint
+from ..parallel.hollow import HollowEncoding, encode_hollow
 from ..parallel.opaque_state_dict import OpaqueStateDict
-from ..parallel.tensor_aware_state_dict import (
-    HollowEncoding,
-    MCoreTensorAwareStateDict,
-    SnapshotParts,
-    encode_hollow,
-    preprocess,
-    sharded_objects,
-    sharded_tensors,
-    snapshot_parts,
-)
+from ..parallel.snapshot import SnapshotParts, snapshot_parts
+from ..parallel.template import preprocess, sharded_objects, sharded_tensors
+from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
 
@@ -76,7 +71,7 @@ FAULT_POINTS = (
 @dataclass
 class _SaveJob:
     iteration: int
-    segment: Segment
+    segment: Optional[Segment]  # None until staging has reserved it (a device snapshot's)
     header: CheckpointHeader
     staging: StagingHandle
     metrics: SaveMetrics
@@ -175,6 +170,7 @@ class SavePath:
         on every rank. Collective on the first call (distribution, checkpoint group).
         """
         t0 = time.perf_counter()
+        locked0 = pinning.locked_by_this_thread()
         self._bound_queue()
         group = self._ckpt_group()
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
@@ -196,7 +192,11 @@ class SavePath:
             self._submit_failed(iteration, group, e)
             raise
         metrics = SaveMetrics(
-            iteration=iteration, bytes_staged=staged.header.data_nbytes, structure_cached=staged.cached
+            iteration=iteration,
+            bytes_staged=staged.header.data_nbytes,
+            structure_cached=staged.cached,
+            pinned_on_save_bytes=pinning.locked_by_this_thread() - locked0,
+            device_snapshot=staged.staging.snapshot,
         )
         job = _SaveJob(iteration, staged.segment, staged.header, staged.staging, metrics, t0)
         self._last_saved = iteration
@@ -349,13 +349,41 @@ class SavePath:
         staged.cached = True
 
     def _start_copies(self, tensors, layouts, total: int, runs, iteration: int, staged: "_Staged") -> None:
-        # Without a spare: a fresh segment, not populated here: the copy faults its pages in
-        # on the staging thread (one pass instead of populate + copy).
-        staged.segment = self._prefetcher.take(total, populate=self.spare_segment)
-        self.store.claim(staged.segment, iteration, self.rank)
-        staged.staging = self._stager.stage(tensors, staged.segment, layouts, runs)
-        if staged.segment.pinned:  # GPU state: the next segments are page-locked ahead too
+        on_gpu = _gpu_bytes(tensors, layouts)
+        if on_gpu and not self._prefetcher.pin:
+            # GPU state: from now on segments are page-locked ahead, off the save's path (a
+            # complete one stays locked across saves: it becomes the spare when retired).
             self._prefetcher.pin = True
+        pinned_ready = self._prefetcher.has_ready(total, pinned=True)
+        snapshot = bool(on_gpu) and self._device_snapshot(pinned_ready, on_gpu)
+
+        def segment() -> Segment:
+            # Without a spare: a fresh segment, not populated here: the copy faults its pages in
+            # on the staging thread (one pass instead of populate + copy).
+            seg = self._prefetcher.take(total, populate=self.spare_segment)
+            try:
+                self.store.claim(seg, iteration, self.rank)
+            except BaseException:
+                self.store.release(seg)
+                raise
+            return seg
+
+        if snapshot and not self._prefetcher.has_ready(total):
+            # Nothing made ahead (the first save after a start, a new size): the GPU copy
+            # ends the stall; reserving the segment waits for the staging thread.
+            staged.staging = self._stager.stage(tensors, segment, layouts, runs, device_snapshot=True)
+            return
+        staged.segment = segment()
+        staged.staging = self._stager.stage(tensors, staged.segment, layouts, runs, device_snapshot=snapshot)
+
+    def _device_snapshot(self, pinned_ready: bool, on_gpu: Dict[Any, int]) -> bool:
+        """Stage the GPU tensors through a copy within the GPU first? ``"always"``; ``"auto"``:
+        when no page-locked segment is ready (device-to-host copies would be synchronous, or
+        wait for a reservation) and every device has room for its bytes plus a margin."""
+        mode = self.options.device_snapshot
+        if mode == "never" or (mode == "auto" and pinned_ready):
+            return False
+        return mode == "always" or all(_gpu_room(dev) >= n for dev, n in on_gpu.items())
 
     def _header(self, iteration: int, layouts, total: int, meta: bytes) -> CheckpointHeader:
         return CheckpointHeader(
@@ -384,8 +412,9 @@ class SavePath:
                 staged.staging.wait()
             except Exception:
                 pass
-        if staged.segment is not None:
-            self.store.release(staged.segment)
+        segment = staged.segment or (staged.staging.segment() if staged.staging is not None else None)
+        if segment is not None:
+            self.store.release(segment)
 
     def _retire_earlier_run(self, iteration: int, control) -> None:
         """First save of a job that did not restore: it starts fresh on purpose, so this
@@ -481,6 +510,8 @@ class SavePath:
         m = job.metrics
         m.durable_s = time.perf_counter() - job.t_start
         if not agreed:
+            if job.segment is not None:
+                job.segment.close()
             self._discard_failed(job.iteration, outcome.received)
             raise CheckpointingException(
                 f"local checkpoint of iteration {job.iteration} is not complete on every rank "
@@ -499,6 +530,7 @@ class SavePath:
         try:
             with _timed(m, "staging_s"):
                 job.staging.wait()
+                job.segment = job.staging.segment()
             self._fault("after_staging")
             with _timed(m, "checksum_s"):
                 header = _with_checksums(job.header, job.segment)
@@ -515,8 +547,6 @@ class SavePath:
         except BaseException as e:  # reported after agreement, so peers are not left waiting
             out.error = e
             logger.warning("save of iteration %d failed on rank %d: %s", job.iteration, self.rank, e)
-        finally:
-            job.segment.close()
         if not replicating and group is not None:
             # So holders and sources learn now instead of after the transport timeout.
             try:
@@ -554,6 +584,11 @@ class SavePath:
     def _complete_save(self, job: _SaveJob) -> None:
         """After the agreement: persistent flush (every M saves), retention, next segment."""
         self._complete.append(job.iteration)
+        # Kept mapped (and page-locked, GPU state) while retained: retired, it becomes the
+        # spare as it is, so a steady run maps and locks nothing (see _retire).
+        self._own_segments[job.iteration] = job.segment
+        if self._prefetcher.pin:
+            job.segment.pin()  # on the save thread, off the training loop's path; once
         if self._tier is not None:
             # Every rank reaches this at the same save (after the agreement), so the tier's
             # collective flush rounds pair up.
@@ -574,6 +609,7 @@ class SavePath:
             logger.debug("store bytes not measured: %s", e)
         if self.spare_segment:
             self._prefetcher.prefetch(job.header.data_nbytes, plan)
+        job.metrics.pinned_held_bytes = pinning.held_bytes()
         self.last_save_metrics = job.metrics
         logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())
 
@@ -612,15 +648,46 @@ class SavePath:
         # path); the node's own segments are pooled only to become a spare.
         lean = self.keep_last == 1
         p = self.placement
+        for it in [it for it in self._own_segments if it < threshold]:
+            self._retire_own(it, self._own_segments.pop(it))
         for cid in self.store.list():
             if cid.iteration < threshold and self._is_ours(cid):
                 own = cid.owner < self.world_size and p.node_of(cid.owner) == p.node_of(self.rank)
+                if own and cid.owner != self.rank:
+                    continue  # its owner, a rank of this node, retires it (it may hold it mapped)
                 self.store.discard(cid, recycle=not lean or (own and self.spare_segment))
         for pid in self.store.list_parity():
             if pid.iteration < threshold and self._is_ours_parity(pid):
                 self.store.discard(pid, recycle=not lean)
         if getattr(self, "_elastic_from", None) is not None:
             self._retire_resharded(threshold)
+
+    def _close_own_segments(self, newer_than: int = -1) -> None:
+        """Unmap this rank's kept segments of iterations above ``newer_than`` (all by default):
+        the manager closes, or a restore abandons them; their files are the store's business."""
+        for it in [it for it in self._own_segments if it > newer_than]:
+            self._own_segments.pop(it).close()
+
+    def prepare_next_segment(self, nbytes: int, gpu: bool) -> None:
+        """Have the next save's segment (``nbytes``) made ahead, page-locked for GPU state, on
+        the prefetcher's thread (after a restore: the restored state's size is the next
+        save's, usually)."""
+        if gpu:
+            self._prefetcher.pin = True
+        if self.spare_segment and nbytes:
+            self._prefetcher.prefetch(nbytes)
+
+    def _retire_own(self, iteration: int, segment: Segment) -> None:
+        """This rank's retired checkpoint: its segment, still mapped (and locked), becomes the
+        next save's spare as it is; else it goes to the pool, or (``keep_last=1``) is freed."""
+        cid = CheckpointId(iteration, self.rank, self.session_id)
+        recycle = self.keep_last > 1
+        if self.spare_segment and self.store.unpublish_mapped(cid, segment):
+            if not self._prefetcher.adopt(segment):
+                self.store.release(segment, recycle=recycle)
+            return
+        segment.close()
+        self.store.discard(cid, recycle=recycle)
 
     def _retire_resharded(self, threshold: int) -> None:
         """After a resharded restore, the saving job's world-size checkpoints are this job's
@@ -681,6 +748,24 @@ def _plain_parts(state_dict: Any) -> Optional[SnapshotParts]:
     if parts is None or any(st.data is None for st in parts.shards):
         return None
     return parts
+
+
+def _gpu_bytes(tensors: Sequence[torch.Tensor], layouts: Sequence[TensorLayout]) -> Dict[Any, int]:
+    """Bytes to stage per CUDA device (empty for CPU state: the common case, checked first)."""
+    out: Dict[Any, int] = {}
+    if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
+        for t, lay in zip(tensors, layouts):
+            if t.is_cuda:
+                out[t.device] = out.get(t.device, 0) + lay.nbytes
+    return out
+
+
+def _gpu_room(device) -> int:
+    """Bytes a device snapshot may take on ``device``: free memory plus the caching allocator's
+    unused blocks, less a margin for the training step (max(1 GiB, 5 % of the device))."""
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + cached - max(1 << 30, total // 20)
 
 
 def _is_tasd(obj: Any) -> bool:

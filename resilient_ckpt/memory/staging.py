@@ -1,15 +1,21 @@
 """Staging: copying a rank's tensors into its store segment without a torn snapshot.
 
-The store segment *is* the staging buffer: on CUDA it is page-locked with cudaHostRegister
-(``Segment.pin``) so device-to-host copies land in shared memory directly, asynchronously, on
-a side stream ordered after the producer's stream; on CPU one background thread copies
-(torch ``copy_`` releases the GIL; on this class of machine a single stream of memcpy already
-saturates memory bandwidth — two threads measured slower). Buffers are reused across saves:
-the next segment is reserved and mapped ahead of time by :class:`SegmentPrefetcher`.
+The store segment *is* the staging buffer. On CUDA it is page-locked (``Segment.pin``) ahead
+of time on the prefetcher's thread and stays locked across saves, so device-to-host copies
+land in shared memory directly, asynchronously, on a side stream ordered after the
+producer's stream; nothing is page-locked on the save's calling thread. A segment that is not
+locked yet (the first save after a start, a size change) is filled from a *device snapshot*
+when the GPU has room (a copy within the GPU, then device-to-host in the background), else by
+copies into pageable memory. On CPU one background thread copies (torch ``copy_`` releases
+the GIL; on this class of machine a single stream of memcpy already saturates memory
+bandwidth — two threads measured slower).
 
-Contract for the training loop: the tensors handed to a save must not be modified until
-:meth:`StagingHandle.wait` (``SaveHandle.wait_staged``) returns — call it right before the
-optimizer step. Reading them (forward/backward) is fine meanwhile.
+Contract for the training loop: the tensors handed to a save must not be modified until the
+copies have read them. :meth:`StagingHandle.fence` orders that without a CPU wait for device
+copies — later work on the given CUDA stream (the optimizer's update) runs after them — and
+waits on the CPU only for the copies of CPU tensors; :meth:`StagingHandle.wait`
+(``SaveHandle.wait_staged``) blocks until every copy is done. Reading them meanwhile
+(forward/backward) is fine.
 """
 
 from __future__ import annotations
@@ -18,24 +24,50 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..gc_pause import paused_gc
-from .store import CheckpointStore, DenseRun, Segment, TensorLayout, dense_runs
+from .layout import DenseRun, TensorLayout, dense_runs
+from .segment import Segment
+from .store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
 
 class StagingHandle:
-    """Completion of one snapshot's copies into its segment."""
+    """Completion of one snapshot's copies into its segment.
 
-    def __init__(self, future: Optional[Future] = None, event=None, started: float = 0.0):
+    ``event``: recorded on the copy stream once every CUDA source has been read (into the
+    segment, or into the device snapshot); ``future``: the background copies (CPU tensors,
+    the device snapshot's way down), done when the segment holds every byte."""
+
+    def __init__(
+        self,
+        future: Optional[Future] = None,
+        event=None,
+        started: float = 0.0,
+        snapshot: bool = False,
+        segment: Optional[Segment] = None,
+    ):
         self._future = future
         self._event = event
+        self._cpu_sources = False
+        self._segment = segment
         self.started = started
+        self.snapshot = snapshot  # CUDA sources were copied within the GPU first
         self.finished: Optional[float] = None
+
+    def segment(self) -> Optional[Segment]:
+        """The segment the copies land in (reserved by the staging thread when the caller
+        passed a function: waits for it; None if reserving it failed)."""
+        if self._segment is None and self._future is not None:
+            try:
+                self._segment = self._future.result()
+            except Exception:
+                return None
+        return self._segment
 
     def done(self) -> bool:
         if self._future is not None and not self._future.done():
@@ -43,6 +75,19 @@ class StagingHandle:
         if self._event is not None and not self._event.query():
             return False
         return True
+
+    def fence(self, stream=None) -> float:
+        """Order the mutation of the saved tensors after the copies that read them, without a
+        CPU wait for device copies: later work on ``stream`` (default: the current CUDA stream)
+        waits for the CUDA sources' copies on the GPU; the copies of CPU tensors (done by the
+        staging thread) are waited for here (returns the seconds). Re-raises a failed CPU copy."""
+        if self._event is not None:
+            (stream if stream is not None else torch.cuda.current_stream()).wait_event(self._event)
+        if not (self._cpu_sources and self._future is not None):
+            return 0.0
+        t0 = time.perf_counter()
+        self._future.result()
+        return time.perf_counter() - t0
 
     def wait(self) -> float:
         """Block until every copy finished; returns seconds spent waiting. Re-raises failures."""
@@ -71,48 +116,66 @@ class Stager:
     def stage(
         self,
         tensors: Sequence[torch.Tensor],
-        segment: Segment,
+        segment: Union[Segment, Callable[[], Segment]],
         layouts: Sequence[TensorLayout],
         runs: Optional[Sequence[DenseRun]] = None,
+        device_snapshot: bool = False,
     ) -> StagingHandle:
         """Start copying ``tensors`` into ``segment`` at ``layouts``. ``runs``: the layouts'
         :func:`dense_runs` when the caller has them cached. Each run's destination views are
         made in one call and filled with one ``_foreach_copy_`` per device (a few Python calls
-        per tensor cost more than the bytes at 50,000 small tensors)."""
+        per tensor cost more than the bytes at 50,000 small tensors).
+
+        CUDA sources go to the segment on a side stream: asynchronously when it is
+        page-locked; with ``device_snapshot``, through a copy within the GPU first (the sources
+        are free once that copy ran; the way down runs on the staging thread); else
+        synchronously into pageable memory. ``segment`` may be a function that reserves it,
+        called on the staging thread (with a device snapshot nothing else needs it sooner).
+        Nothing is page-locked here."""
         started = time.perf_counter()
         if runs is None:
             runs = dense_runs(layouts)
-        prepared = segment.views_for(runs)
-        cuda, cpu = [], []
+        dests = _Destinations(runs, tensors)
+        cuda: List[_Item] = []
+        cpu: List[_Item] = []
         for k, run in enumerate(runs):
             srcs = [tensors[i] for i in run.indexes]
-            # The run's destination: its views made ahead by the prefetcher, or its flat region.
-            dst = prepared[k] if prepared is not None else run_region(segment, run)
             on_cuda = [t.is_cuda for t in srcs]
             if not any(on_cuda):
-                cpu.append((dst, srcs))
+                cpu.append((k, None, srcs))
             elif all(on_cuda):
-                cuda.append((dst, srcs))
+                cuda.append((k, None, srcs))
             else:  # a mixed run: each device's tensors separately, through their own views
-                dsts = _views(dst, srcs)
-                for d, src, dev in zip(dsts, srcs, on_cuda):
-                    (cuda if dev else cpu).append(([d], [src]))
+                for j, (src, dev) in enumerate(zip(srcs, on_cuda)):
+                    (cuda if dev else cpu).append((k, j, [src]))
+        now = segment if isinstance(segment, Segment) else None
+        if now is None and cuda and not device_snapshot:
+            now = segment = segment()  # type: ignore[operator]
         event = None
+        down: List[Tuple[_Item, List[Tuple[List[int], List[torch.Tensor]]]]] = []
         if cuda:
-            segment.pin()
             stream = self._side_stream()
             # Copy only after the kernels that produced the tensors (on the caller's stream).
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad(), paused_gc():
-                for region, srcs in cuda:
-                    _copy_run(region, srcs, non_blocking=True)
+                for item in cuda:
+                    srcs = item[2]
+                    if device_snapshot:
+                        down.append((item, _snapshot(srcs)))
+                    else:
+                        assert now is not None
+                        _copy_run(dests.of(now, item), srcs, non_blocking=now.pinned)
                     for src in srcs:
                         # Keep the caching allocator from reusing src's memory before the copy.
                         src.record_stream(stream)
                 event = torch.cuda.Event()
                 event.record(stream)
-        future = self._pool.submit(_copy_all, cpu) if cpu else None
-        return StagingHandle(future, event, started)
+        future = None
+        if cpu or down or now is None:
+            future = self._pool.submit(_finish, segment, dests, cpu, down, self._stream)
+        handle = StagingHandle(future, event, started, snapshot=bool(down), segment=now)
+        handle._cpu_sources = bool(cpu)
+        return handle
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
@@ -143,12 +206,66 @@ def _copy_run(dst, srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> 
     torch._foreach_copy_(_views(dst, srcs), srcs, non_blocking=non_blocking)
 
 
-def _copy_all(runs) -> None:
+def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.Tensor]]]:
+    """Copy ``srcs`` (one dtype) into new device memory, one flat buffer per device, on the
+    current (side) stream; returns (indexes into ``srcs``, their snapshot views) per device."""
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(srcs):
+        by_device.setdefault(t.device, []).append(i)
+    out = []
+    for device, idx in by_device.items():
+        group = [srcs[i] for i in idx]
+        flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device)
+        views = _views(flat, group)
+        torch._foreach_copy_(views, group, non_blocking=True)
+        out.append((idx, views))
+    return out
+
+
+#: (run index, position in a mixed run or None for the whole run, its sources)
+_Item = Tuple[int, Optional[int], List[torch.Tensor]]
+
+
+class _Destinations:
+    """Where each staged item lands in a segment: its run's views made ahead by the prefetcher,
+    or its flat region (a mixed run's tensors: their own views of it)."""
+
+    def __init__(self, runs: Sequence[DenseRun], tensors: Sequence[torch.Tensor]):
+        self._runs = runs
+        self._tensors = tensors
+        self._split: Dict[int, List[torch.Tensor]] = {}
+
+    def of(self, segment: Segment, item: _Item):
+        k, j, _srcs = item
+        prepared = segment.views_for(self._runs)
+        region = prepared[k] if prepared is not None else run_region(segment, self._runs[k])
+        if j is None:
+            return region
+        if k not in self._split:
+            self._split[k] = _views(region, [self._tensors[i] for i in self._runs[k].indexes])
+        return [self._split[k][j]]
+
+
+def _finish(segment, dests: _Destinations, cpu: Sequence[_Item], down, stream) -> Segment:
+    """The staging thread's part: reserve the segment if the caller did not, copy the CPU
+    tensors, bring the device snapshot down. Returns the segment."""
+    if not isinstance(segment, Segment):
+        segment = segment()
     # Grad mode is per thread: a Parameter source must not record history. The collector is
     # paused while the views' Python objects (one per tensor) are made.
     with torch.no_grad(), paused_gc():
-        for region, srcs in runs:
-            _copy_run(region, srcs)
+        for item in cpu:
+            _copy_run(dests.of(segment, item), item[2])
+        if down:
+            # On the stream that made the snapshot (so after it); its memory returns to the
+            # caching allocator once this stream has passed the copies down.
+            with torch.cuda.stream(stream):
+                for item, parts in down:
+                    dsts = _views(dests.of(segment, item), item[2])
+                    for idx, snap in parts:
+                        torch._foreach_copy_([dsts[i] for i in idx], snap, non_blocking=segment.pinned)
+                stream.synchronize()
+    return segment
 
 
 class RunPlan:
@@ -172,11 +289,13 @@ class RunPlan:
 
 
 class SegmentPrefetcher:
-    """Keeps the next save's segment reserved, mapped and populated ahead of time.
+    """Keeps the next save's segment reserved, mapped, populated and (``pin``: once a save
+    staged GPU tensors) page-locked ahead of time, on its own thread.
 
     Reserving off the critical path hides the mapping cost (minor faults on a recycled tmpfs
-    file cost ~3x a memcpy); one spare segment is mapped at a time, so resident memory grows by
-    one segment, not by every retained checkpoint.
+    file cost ~3x a memcpy) and the page-locking (hundreds of ms per GiB). A retired segment of
+    this process can be adopted (:meth:`adopt`) as it is — still mapped and locked — so a steady run
+    maps and locks nothing at all; one spare is kept at a time.
     """
 
     def __init__(self, store: CheckpointStore, pin: bool = False):
@@ -184,7 +303,8 @@ class SegmentPrefetcher:
         self.pin = pin
         self._lock = threading.Lock()
         self._ready: Optional[Segment] = None
-        self._pending: Optional[Future] = None
+        self._pending: Optional[Future] = None  # a reservation (and its locking) being made
+        self._views_pending: Optional[Future] = None  # views of the ready segment being made
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-prefetch")
 
     def prefetch(self, nbytes: int, plan: Optional["RunPlan"] = None) -> None:
@@ -196,7 +316,7 @@ class SegmentPrefetcher:
                 return
             if self._ready is not None and self._ready.nbytes == nbytes:
                 if plan is not None and self._ready.views_for(plan.runs) is None:
-                    self._pending = self._pool.submit(self._prepare_views, self._ready, plan)
+                    self._views_pending = self._pool.submit(self._prepare_views, self._ready, plan)
                 return
             self._pending = self._pool.submit(self._reserve, nbytes, plan)
 
@@ -206,10 +326,35 @@ class SegmentPrefetcher:
             seg.pin()
         if plan is not None:
             self._prepare_views(seg, plan)
+        self._set_ready(seg)
+
+    def _set_ready(self, seg: Segment) -> None:
         with self._lock:
             old, self._ready = self._ready, seg
         if old is not None:
             self.store.release(old)
+
+    def adopt(self, seg: Segment) -> bool:
+        """Keep ``seg`` (reserved in this process: a retired segment of this manager, still
+        mapped) as the spare, unless one is ready or being made; returns whether it was kept."""
+        with self._lock:
+            busy = self._ready is not None or (self._pending is not None and not self._pending.done())
+            if not busy:
+                self._ready = seg
+                # Replication dropped its pages from this process's page tables as they were
+                # sent (the trainer's RSS stays flat): map them back now, off the save's path,
+                # or the next save's copy takes a fault per page.
+                self._views_pending = self._pool.submit(seg.populate_pages, 0, seg.nbytes)
+        return not busy
+
+    def has_ready(self, nbytes: int, pinned: bool = False) -> bool:
+        """Whether :meth:`take` of ``nbytes`` would return at once a segment made ahead
+        (``pinned``: page-locked too)."""
+        with self._lock:
+            if self._pending is not None and not self._pending.done():
+                return False
+            seg = self._ready
+            return seg is not None and seg.nbytes == nbytes and (seg.pinned or not pinned)
 
     @staticmethod
     def _prepare_views(seg: Segment, plan: "RunPlan") -> None:
@@ -221,8 +366,9 @@ class SegmentPrefetcher:
     def take(self, nbytes: int, populate: bool = True) -> Segment:
         """A reserved segment of exactly ``nbytes`` (reserved now if none is ready, its pages
         populated up front only if ``populate``)."""
-        pending = self._pending
-        if pending is not None:
+        for pending in (self._pending, self._views_pending):
+            if pending is None:
+                continue
             try:
                 pending.result()
             except Exception as e:  # fall back to a synchronous reservation with its own error
@@ -233,10 +379,9 @@ class SegmentPrefetcher:
             return seg
         if seg is not None:
             self.store.release(seg)
-        seg = self.store.reserve(nbytes, populate=populate)
-        if self.pin:
-            seg.pin()
-        return seg
+        # Never page-locked here: this is the save's critical path (the save stages GPU
+        # tensors through a device snapshot or pageable copies instead; see Stager.stage).
+        return self.store.reserve(nbytes, populate=populate)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,5 +1,10 @@
 """The in-memory holder: checkpoints as files of a tmpfs directory, mapped into memory.
 
+:class:`CheckpointStore` owns one session's directory: reserving, claiming, publishing and
+retiring files, the free pool and the memory budget, scanning and sweeping. What the files
+hold is :mod:`.layout`'s (names, headers, tensor layout); mapping a data file read-write is
+:mod:`.segment`'s, reading a published one :mod:`.reader`'s.
+
 Layout under ``{root}/{session}/``::
 
     iter_{iteration:020d}.owner_{owner:06d}.data   tensor bytes, one contiguous segment
@@ -26,522 +31,38 @@ import errno
 import fcntl
 import itertools
 import logging
-import math
-import mmap
 import os
 import re
 import shutil
-import socket
 import stat
 import threading
 import time
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
-
-import msgpack
-import torch
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from .. import fork_safe_locks
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, StoreError, StoreFullError
-from ..gc_pause import paused_gc
-from . import checksum
+from .layout import (
+    OWNER,
+    PARITY,
+    PARITY_MAGIC,
+    CheckpointHeader,
+    CheckpointId,
+    ParityId,
+    parse_name,
+    unpack_envelope,
+)
+from .reader import CheckpointReader
+from .segment import Segment
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MAGIC = "resilient_ckpt/store"
-ALIGN = 256
 DEFAULT_ROOT = "/dev/shm/resilient_ckpt"
-_MAX_HEADER_BYTES = 1 << 30
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_NAME = re.compile(r"^iter_(\d{20})\.owner_(\d{6})\.(data|hdr)$")
-_PARITY_NAME = re.compile(r"^iter_(\d{20})\.parity_(\d{6})\.(data|hdr)$")
-PARITY_MAGIC = "resilient_ckpt/parity"
 SMALL_SHM_BYTES = 1 << 30
 _PARSED_HEADERS = 64  # per store: a node's ranks x a few retained iterations
 # Unique file names within a process: two threads (prefetcher, replication) may reserve in the
 # same nanosecond, and O_CREAT on a shared name would hand both the same file.
 _UNIQUE = itertools.count()
-
-
-@dataclass(frozen=True, order=True)
-class CheckpointId:
-    iteration: int
-    owner: int
-    session: str
-
-    def stem(self) -> str:
-        return f"iter_{self.iteration:020d}.owner_{self.owner:06d}"
-
-    def as_tuple(self) -> Tuple[int, int, str]:
-        """nvidia-resiliency-ext's CkptID order: (iteration, rank, session)."""
-        return (self.iteration, self.owner, self.session)
-
-
-@dataclass(frozen=True, order=True)
-class ParityId:
-    """The parity blocks rank ``holder`` keeps of iteration ``iteration`` for its group
-    (same file-naming interface as :class:`CheckpointId`)."""
-
-    iteration: int
-    holder: int
-    session: str
-
-    def stem(self) -> str:
-        return f"iter_{self.iteration:020d}.parity_{self.holder:06d}"
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: Tuple[int, ...]
-    checksum: Optional[int] = None
-
-    def pack(self) -> tuple:
-        return (self.offset, self.nbytes, self.dtype, self.shape, self.checksum)
-
-    @classmethod
-    def unpack(cls, v) -> "TensorLayout":
-        """From :meth:`pack`'s fields as msgpack decodes them; wrong types are refused (a
-        header has one entry per tensor, 50k+: this runs at a few hundred ns each)."""
-        off, n, dt, shape, ck = v
-        shape = tuple(shape)
-        if (
-            type(off) is not int
-            or type(n) is not int
-            or type(dt) is not str
-            or not (ck is None or type(ck) is int)
-            or any(type(s) is not int for s in shape)
-        ):
-            raise CorruptCheckpointError(f"malformed tensor entry {v!r} in a checkpoint header")
-        return new_layout(off, n, dt, shape, ck)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise CorruptCheckpointError(f"unknown dtype {self.dtype!r} in a checkpoint header")
-        return dt
-
-
-@dataclass(frozen=True)
-class CheckpointHeader:
-    """Self-describing metadata of one stored checkpoint."""
-
-    session: str
-    iteration: int
-    owner: int
-    world_size: int
-    tensors: Tuple[TensorLayout, ...]
-    data_nbytes: int
-    #: the hollow state dict (codec bytes) and anything the writer wants to keep beside it
-    meta: bytes = b""
-    replication: Dict[str, object] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
-    checksum_algo: str = checksum.ALGO
-    created_ns: int = 0
-    writer: str = ""
-
-    @property
-    def id(self) -> CheckpointId:
-        return CheckpointId(self.iteration, self.owner, self.session)
-
-    def pack(self) -> bytes:
-        """The header's bytes (computed once per header object: a save publishes them and
-        sends them to its holders; a header that was unpacked keeps the bytes it came from)."""
-        raw = self.__dict__.get("_packed")
-        if raw is None:
-            raw = self._pack()
-            self.__dict__["_packed"] = raw
-        return raw
-
-    def _pack(self) -> bytes:
-        return pack_envelope(
-            {
-                "magic": MAGIC,
-                "format_version": self.format_version,
-                "session": self.session,
-                "iteration": self.iteration,
-                "owner": self.owner,
-                "world_size": self.world_size,
-                "tensors": [t.pack() for t in self.tensors],
-                "data_nbytes": self.data_nbytes,
-                "meta": self.meta,
-                "replication": self.replication,
-                "checksum_algo": self.checksum_algo,
-                "created_ns": self.created_ns or time.time_ns(),
-                "writer": self.writer or writer_name(),
-            }
-        )
-
-    @classmethod
-    def unpack(cls, raw: bytes, source: str = "header") -> "CheckpointHeader":
-        """Parse and verify; any defect is a CorruptCheckpointError naming ``source``."""
-        try:
-            with paused_gc():  # one TensorLayout per tensor: 50k small objects
-                header = cls._parse(raw, source)
-            header.__dict__["_packed"] = bytes(raw)
-            return header
-        except (CorruptCheckpointError, ForeignCheckpointError):
-            raise
-        except Exception as e:  # msgpack errors, missing keys, wrong types
-            raise CorruptCheckpointError(f"{source}: malformed header ({type(e).__name__}: {e})") from e
-
-    @classmethod
-    def _parse(cls, raw: bytes, source: str) -> "CheckpointHeader":
-        body, digest = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_HEADER_BYTES)
-        if checksum.digest(body) != digest:
-            raise CorruptCheckpointError(f"{source}: header checksum mismatch (torn or corrupted)")
-        d = msgpack.unpackb(
-            body, raw=False, strict_map_key=False, use_list=False, max_bin_len=_MAX_HEADER_BYTES
-        )
-        if d.get("magic") != MAGIC:
-            raise CorruptCheckpointError(f"{source}: not a resilient_ckpt header")
-        version = d["format_version"]
-        if version != FORMAT_VERSION:
-            raise ForeignCheckpointError(
-                f"{source}: store format version {version}, this build reads version "
-                f"{FORMAT_VERSION}; restore with a matching resilient_ckpt or start fresh"
-            )
-        return cls(
-            session=str(d["session"]),
-            iteration=int(d["iteration"]),
-            owner=int(d["owner"]),
-            world_size=int(d["world_size"]),
-            tensors=tuple(map(TensorLayout.unpack, d["tensors"])),
-            data_nbytes=int(d["data_nbytes"]),
-            meta=bytes(d["meta"]),
-            replication=dict(d.get("replication") or {}),
-            format_version=version,
-            checksum_algo=str(d["checksum_algo"]),
-            created_ns=int(d["created_ns"]),
-            writer=str(d.get("writer", "")),
-        )
-
-
-def pack_envelope(fields: Dict[str, Any]) -> bytes:
-    """msgpack ``fields`` inside the checksummed envelope headers use."""
-    body = msgpack.packb(fields, use_bin_type=True)
-    return msgpack.packb([body, checksum.digest(body)], use_bin_type=True)
-
-
-def unpack_envelope(raw: bytes, source: str, magic: str) -> Dict[str, Any]:
-    """The fields of :func:`pack_envelope`; any defect is a CorruptCheckpointError naming
-    ``source`` (a different format version: ForeignCheckpointError)."""
-    try:
-        body, digest = msgpack.unpackb(raw, raw=False, max_bin_len=_MAX_HEADER_BYTES)
-        if checksum.digest(body) != digest:
-            raise CorruptCheckpointError(f"{source}: header checksum mismatch (torn or corrupted)")
-        d = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=_MAX_HEADER_BYTES)
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:
-        raise CorruptCheckpointError(f"{source}: malformed header ({type(e).__name__}: {e})") from e
-    if not isinstance(d, dict) or d.get("magic") != magic:
-        raise CorruptCheckpointError(f"{source}: not a {magic} header")
-    if d.get("format_version") != FORMAT_VERSION:
-        raise ForeignCheckpointError(
-            f"{source}: format version {d.get('format_version')}, this build reads {FORMAT_VERSION}; "
-            "restore with a matching resilient_ckpt or start fresh"
-        )
-    return d
-
-
-_UNPINNABLE_WARNED: set = set()
-
-
-def _warn_unpinnable(path: Path, rc) -> None:
-    where = str(path.parent.parent)
-    if where in _UNPINNABLE_WARNED:
-        return
-    _UNPINNABLE_WARNED.add(where)
-    logger.warning(
-        "cudaHostRegister of store segments under %s failed (%s): GPU tensors are staged through "
-        "pageable memory (synchronous copies, slower). Fix: put the store root on a tmpfs such as "
-        "/dev/shm (store_root=...)",
-        where,
-        rc,
-    )
-
-
-def writer_name() -> str:
-    """Who wrote a header: ``host:pid``."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def new_layout(offset: int, nbytes: int, dtype: str, shape: Tuple[int, ...], checksum=None) -> TensorLayout:
-    """A TensorLayout from fields known to be well typed, without the frozen dataclass's
-    per-field ``object.__setattr__`` (a 50k-tensor header builds 50k of them)."""
-    lay = object.__new__(TensorLayout)
-    lay.__dict__.update(offset=offset, nbytes=nbytes, dtype=dtype, shape=shape, checksum=checksum)
-    return lay
-
-
-def plan_layout(specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]]) -> Tuple[List[TensorLayout], int]:
-    """Offsets for tensors of the given dtype/shape (layouts in the given order); total bytes.
-
-    Tensors of one dtype are packed densely in their order, each dtype's run starting at an
-    ``ALIGN`` boundary: a run is one flat typed region, so staging makes all its views and
-    copies in one call each (:func:`dense_runs`) instead of a few Python calls per tensor."""
-    layouts, total, _runs = plan_layout_runs(specs)
-    return layouts, total
-
-
-def plan_layout_runs(
-    specs: Sequence[Tuple[torch.dtype, Tuple[int, ...]]],
-) -> Tuple[List[TensorLayout], int, List["DenseRun"]]:
-    """:func:`plan_layout` and its :func:`dense_runs`, computed together."""
-    out: List[Optional[TensorLayout]] = [None] * len(specs)
-    by_dtype: Dict[torch.dtype, List[int]] = {}
-    for i, (dtype, _shape) in enumerate(specs):
-        by_dtype.setdefault(dtype, []).append(i)
-    runs: List[DenseRun] = []
-    pos = 0
-    for dtype, idxs in by_dtype.items():
-        name = str(dtype).replace("torch.", "")
-        size = dtype.itemsize
-        start = pos
-        nonempty = []
-        for i in idxs:
-            shape = tuple(specs[i][1])
-            n = size * math.prod(shape)
-            out[i] = new_layout(pos, n, name, shape)
-            pos += n
-            if n:
-                nonempty.append(i)
-        if nonempty:
-            runs.append(DenseRun(start, pos - start, dtype, tuple(nonempty)))
-        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-    return out, pos, runs  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class DenseRun:
-    """Tensors (indexes into a layout list, in offset order) packed back to back from
-    ``offset``: one flat region of ``dtype``."""
-
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    indexes: Tuple[int, ...]
-
-
-def dense_runs(layouts: Sequence[TensorLayout]) -> List[DenseRun]:
-    """The layouts grouped into maximal back-to-back runs of one dtype (empty tensors left
-    out: there is nothing to copy). Works for any layout; :func:`plan_layout`'s has one run
-    per dtype."""
-    order = sorted((lay.offset, i) for i, lay in enumerate(layouts) if lay.nbytes)
-    runs: List[DenseRun] = []
-    start = end = 0
-    dtype = None
-    idxs: List[int] = []
-    for off, i in order:
-        lay = layouts[i]
-        if idxs and (off != end or lay.dtype != dtype):
-            runs.append(DenseRun(start, end - start, layouts[idxs[0]].torch_dtype, tuple(idxs)))
-            idxs = []
-        if not idxs:
-            start, dtype = off, lay.dtype
-        idxs.append(i)
-        end = off + lay.nbytes
-    if idxs:
-        runs.append(DenseRun(start, end - start, layouts[idxs[0]].torch_dtype, tuple(idxs)))
-    return runs
-
-
-class Segment:
-    """A data file mapped read-write: where staging copies land.
-
-    ``buffer`` is a 1-D uint8 tensor over the mapping; ``tensor(layout)`` views one tensor.
-    """
-
-    def __init__(self, path: Path, nbytes: int, populate: bool = True):
-        self.path = path
-        self.nbytes = nbytes
-        self._fd = os.open(path, os.O_RDWR)
-        self._mmap: Optional[mmap.mmap] = None
-        self.buffer: torch.Tensor
-        if nbytes:
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and hasattr(mmap, "MAP_POPULATE") else 0)
-            self._mmap = mmap.mmap(self._fd, nbytes, flags=flags)
-            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        else:
-            self.buffer = torch.empty(0, dtype=torch.uint8)
-        self.pinned = False
-        self._views: Optional[Tuple[Any, List[Any]]] = None
-
-    def keep_views(self, runs: Any, views: List[Any]) -> None:
-        """Remember staging's destination views for ``runs`` (made ahead by the prefetcher)."""
-        self._views = (runs, views)
-
-    def views_for(self, runs: Any) -> Optional[List[Any]]:
-        """The views kept for exactly this ``runs`` object, if any."""
-        kept = self._views
-        return kept[1] if kept is not None and kept[0] is runs else None
-
-    def tensor(self, layout: TensorLayout) -> torch.Tensor:
-        return (
-            self.buffer[layout.offset : layout.offset + layout.nbytes]
-            .view(layout.torch_dtype)
-            .view(layout.shape)
-        )
-
-    def release_pages(self, offset: int, nbytes: int) -> None:
-        """Drop ``[offset, offset + nbytes)`` from this process's page tables (MADV_DONTNEED on
-        a shared file mapping: the bytes stay in the store, the process's resident set shrinks;
-        touching them again maps them back). No-op while page-locked for CUDA."""
-        if self._mmap is None or self.pinned or nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        page = mmap.PAGESIZE
-        start = offset // page * page
-        end = min(self.nbytes, -(-(offset + nbytes) // page) * page)
-        if end > start:
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-    def populate_pages(self, offset: int, nbytes: int) -> None:
-        """Map ``[offset, offset + nbytes)`` into this process's page tables now
-        (MADV_POPULATE_WRITE, Linux >= 5.14; else a no-op): writing into populated pages runs
-        ~2x faster than taking a fault per 4 KiB page (measured: gloo receives at 1.9 vs 1.0
-        GiB/s)."""
-        if self._mmap is None or nbytes <= 0 or offset >= self.nbytes:
-            return
-        page = mmap.PAGESIZE
-        start = offset // page * page
-        end = min(self.nbytes, -(-(offset + nbytes) // page) * page)
-        try:
-            self._mmap.madvise(_MADV_POPULATE_WRITE, start, end - start)
-        except (OSError, ValueError):
-            pass  # older kernel: pages fault in on first write instead
-
-    def pin(self) -> bool:
-        """Page-lock the mapping for CUDA (D2H copies land here directly, asynchronously).
-        Returns whether it is pinned. Where the driver refuses (measured on an H200: a file on
-        a disk file system, not tmpfs, gives "invalid argument"), the segment stays pageable —
-        device copies into it are then synchronous, still correct — and one warning says so;
-        the CUDA error is cleared, so the trainer's next CUDA call does not inherit it."""
-        if self.pinned or not self.nbytes or not torch.cuda.is_available():
-            return self.pinned
-        cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
-        if int(rc) != 0:
-            cudart.cudaGetLastError()  # clears the sticky error of the failed registration
-            _warn_unpinnable(self.path, rc)
-            return False
-        self.pinned = True
-        return True
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self.pinned = False
-        # Never munmap explicitly: torch.frombuffer views keep a reference to the mmap object
-        # but hold no buffer export, so mmap.close() would succeed under a live view and leave
-        # it dangling (a later read segfaults). Dropping our references unmaps the segment as
-        # soon as the last view is gone — at once in the normal case.
-        self._views = None
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._mmap = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class CheckpointReader:
-    """Read access to one published checkpoint (header verified)."""
-
-    def __init__(self, header: CheckpointHeader, data_path: Path):
-        self.header = header
-        self.path = data_path
-        size = data_path.stat().st_size
-        if size < header.data_nbytes:
-            raise CorruptCheckpointError(
-                f"{data_path}: {size} bytes on disk, header says {header.data_nbytes} (truncated)"
-            )
-
-    def read_into(self, dests: Sequence[torch.Tensor], verify: bool = True) -> List[int]:
-        """Copy every tensor into ``dests`` (CPU, contiguous). Returns indices failing checksum."""
-        bad = []
-        with open(self.path, "rb", buffering=0) as f:
-            fd = f.fileno()
-            for i, (lay, dst) in enumerate(zip(self.header.tensors, dests)):
-                if lay.nbytes == 0:
-                    continue
-                view = checksum.byte_view(dst)
-                got = _pread_full(fd, view, lay.offset)
-                if got != lay.nbytes:
-                    raise CorruptCheckpointError(f"{self.path}: short read of tensor {i}")
-                if verify and lay.checksum is not None and checksum.digest(view) != lay.checksum:
-                    bad.append(i)
-        return bad
-
-    def map(self, populate: bool = False) -> Tuple[mmap.mmap, torch.Tensor]:
-        """Read-only mapping of the segment (the caller must not keep views past retention;
-        writing through a view faults). ``populate`` maps every page up front (one kernel pass
-        instead of a fault per 4 KiB page when all of it will be read)."""
-        return map_readonly(self.path, self.header.data_nbytes, populate)
-
-    def read_range(self, offset: int, out: memoryview) -> None:
-        with open(self.path, "rb", buffering=0) as f:
-            if _pread_full(f.fileno(), out, offset) != len(out):
-                raise CorruptCheckpointError(f"{self.path}: short read at {offset}")
-
-    def verify(self) -> List[int]:
-        """Indices of tensors whose bytes fail their checksum (reads through a mapping)."""
-        if not self.header.data_nbytes:
-            return []
-        m, buf = self.map()
-        try:
-            mv = memoryview(m)
-            bad = failed_tensors(self.header, mv)
-            mv.release()
-            return bad
-        finally:
-            del buf
-            m.close()
-
-
-def failed_tensors(header: CheckpointHeader, data: memoryview) -> List[int]:
-    """Indices of ``header``'s tensors whose bytes in ``data`` (the checkpoint's segment, or
-    a copy of it) fail their checksum."""
-    digest = checksum.digest
-    return [
-        i
-        for i, lay in enumerate(header.tensors)
-        if lay.checksum is not None and digest(data[lay.offset : lay.offset + lay.nbytes]) != lay.checksum
-    ]
-
-
-def map_readonly(path: Path, nbytes: int, populate: bool = False) -> Tuple[Optional[mmap.mmap], torch.Tensor]:
-    """A read-only shared mapping of ``nbytes`` of a store file, as a uint8 tensor (no
-    mapping, an empty tensor, for 0 bytes: mmap refuses empty lengths)."""
-    if not nbytes:
-        return None, torch.empty(0, dtype=torch.uint8)
-    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and hasattr(mmap, "MAP_POPULATE") else 0)
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), nbytes, flags=flags, prot=mmap.PROT_READ)
-    with warnings.catch_warnings():
-        # torch warns that the mapping is read-only; callers only read (send, verify) it.
-        warnings.simplefilter("ignore", UserWarning)
-        return m, torch.frombuffer(m, dtype=torch.uint8)
-
-
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    done = 0
-    n = len(view)
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            break
-        done += got
-    return done
 
 
 class CheckpointStore:
@@ -747,10 +268,14 @@ class CheckpointStore:
         segment.path = target
         return cid
 
-    def release(self, segment: Segment) -> None:
-        """Return an unpublished segment to the pool (a save that failed before publish)."""
+    def release(self, segment: Segment, recycle: bool = True) -> None:
+        """Return an unpublished segment to the pool (a save that failed before publish, a
+        spare not needed), or free its memory (``recycle=False``)."""
         segment.close()
-        if segment.path.exists():
+        if not recycle:
+            with contextlib.suppress(FileNotFoundError):
+                segment.path.unlink()
+        elif segment.path.exists():
             with self._locked():
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(segment.path, self._pool_name())
@@ -815,18 +340,13 @@ class CheckpointStore:
         """Published checkpoints of this session (headers present), sorted."""
         out = []
         for p in _entries(self.dir):
-            m = _NAME.match(p.name)
-            if m and m.group(3) == "hdr":
+            name = parse_name(p.name)
+            if name is not None and name.kind == OWNER and name.suffix == "hdr":
                 if _regular(p):
-                    out.append(self._id(int(m.group(1)), int(m.group(2))))
+                    out.append(self._id(name.iteration, name.rank))
                 elif os.path.lexists(p):  # else retired meanwhile (another rank of the node)
                     _ignore(p, "a checkpoint name on something that is not a regular file")
-            elif not (
-                p.name in ("free", ".lock")
-                or _NAME.match(p.name)
-                or _PARITY_NAME.match(p.name)
-                or p.name.startswith(".")
-            ):
+            elif not (p.name in ("free", ".lock") or name is not None or p.name.startswith(".")):
                 _ignore(p, "not a file this store writes")
         return sorted(out)
 
@@ -834,9 +354,9 @@ class CheckpointStore:
         """Published parity files of this session (headers present), sorted."""
         out = []
         for p in _entries(self.dir):
-            m = _PARITY_NAME.match(p.name)
-            if m and m.group(3) == "hdr" and _regular(p):
-                out.append(ParityId(int(m.group(1)), int(m.group(2)), self.session))
+            name = parse_name(p.name)
+            if name is not None and name.kind == PARITY and name.suffix == "hdr" and _regular(p):
+                out.append(ParityId(name.iteration, name.rank, self.session))
         return sorted(out)
 
     def claim_parity(self, segment: Segment, pid: ParityId) -> None:
@@ -943,7 +463,7 @@ class CheckpointStore:
                 if d.name == self.session or d.is_symlink() or not d.is_dir():
                     continue
                 with contextlib.suppress(OSError):
-                    if any(_NAME.match(p.name) and p.suffix == ".hdr" for p in d.iterdir()):
+                    if any(_is_checkpoint_header(p.name) for p in d.iterdir()):
                         out.append(d.name)
         return sorted(out)
 
@@ -964,6 +484,21 @@ class CheckpointStore:
             with contextlib.suppress(FileNotFoundError):
                 data.unlink()
 
+    def unpublish_mapped(self, cid: CheckpointId, segment: Segment) -> bool:
+        """Retire ``cid`` whose data ``segment`` this process still maps: header removed, data
+        renamed to a reservation of this process (other processes' pools never take it) and
+        the segment moved with it, ready to be written again. False (nothing done but the
+        header) if its data is gone."""
+        with contextlib.suppress(FileNotFoundError):
+            self.header_path(cid).unlink()
+        path = self.free_dir / f"rsv_{os.getpid()}_{time.time_ns()}_{next(_UNIQUE)}.data"
+        try:
+            os.replace(self.data_path(cid), path)
+        except FileNotFoundError:
+            return False
+        segment.path = path
+        return True
+
     def retain(
         self, keep_iterations: Iterable[int], owners: Optional[Iterable[int]] = None
     ) -> List[CheckpointId]:
@@ -983,8 +518,14 @@ class CheckpointStore:
         published = {self.data_path(c) for c in [*self.list(), *self.list_parity()]}
         with contextlib.suppress(FileNotFoundError):
             for p in self.dir.iterdir():
-                m = _NAME.match(p.name) or _PARITY_NAME.match(p.name)
-                if m and m.group(3) == "data" and p not in published and p not in busy and _regular(p):
+                name = parse_name(p.name)
+                if (
+                    name is not None
+                    and name.suffix == "data"
+                    and p not in published
+                    and p not in busy
+                    and _regular(p)
+                ):
                     logger.info("recycling %s: data without a header (a save that did not finish)", p)
                     with self._locked():
                         with contextlib.suppress(FileNotFoundError):
@@ -1053,6 +594,11 @@ def validate_session_id(session: object) -> str:
             "name or its scheduler id"
         )
     return session
+
+
+def _is_checkpoint_header(name: str) -> bool:
+    parsed = parse_name(name)
+    return parsed is not None and parsed.kind == OWNER and parsed.suffix == "hdr"
 
 
 def _entries(d: Path) -> List[Path]:

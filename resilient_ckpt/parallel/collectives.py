@@ -25,6 +25,18 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+def default_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """``group``, or the world group when it is None (None when not distributed)."""
+    if group is None and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+def world_rank() -> int:
+    """This process's rank in the job (0 when not distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def global_rank(group: Optional[dist.ProcessGroup], rank_in_group: int) -> int:
     if group is None or group is dist.GroupMember.WORLD:
         return rank_in_group

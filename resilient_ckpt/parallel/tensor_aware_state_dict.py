@@ -10,11 +10,16 @@ nvidia-resiliency-ext's ``LocalCheckpointManager`` accept it), with these differ
   on every rank together instead of leaving peers blocked in a collective;
 - ``from_state_dict`` works on shallow copies of the caller's ShardedTensors (Megatron sets
   their ``data`` to None), so the same sharded state dict can be saved again.
+
+Its collaborators: :mod:`.template` (a state dict or template taken apart), :mod:`.snapshot`
+(the cached save's one walk), :mod:`.hollow` (the hollow bytes), :mod:`.load_checks` (the
+gathered load verdict, :func:`~.load_checks.check_restorable`), :mod:`.load_exchange`
+(``to_state_dict``: the fully-parallel load exchange and the fill, on what the checkpoint
+holds) and :mod:`.fill` (writing the restored data into the template).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -24,35 +29,13 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from ..errors import HollowStateError, ValidationError
-from ..gc_pause import paused_gc
 from ..model import codec, shard_table
-from ..model.mapping import (
-    LocalNonpersistentObject,
-    ShardedObject,
-    ShardedTensor,
-    apply_factories_and_adapt,
-    apply_factory_merges,
-    is_factory,
-    is_sharded,
-)
-from ..model.mapping import (
-    adapt as _adapt_leaf,
-)
-from ..model.nested import (
-    HOLE,
-    fill_holes,
-    map_leaves,
-    map_leaves_inplace,
-    merge,
-    nested_values,
-    nonempty,
-    split,
-)
+from ..model.mapping import ShardedObject, ShardedTensor
+from ..model.mapping import adapt as _adapt_leaf
+from ..model.nested import map_leaves
 from ..model.validation import (
     StrictHandling,
-    apply_strictness,
     object_record,
-    parse_strict_flag,
     shard_record,
     validate_sharding_integrity,
 )
@@ -63,55 +46,14 @@ from .distribution import (
     compute_distribution,
     structure_fingerprint,
 )
-from .exchange import ExchangePlan, check_algo, dtype_name, execute_exchange, plan_exchange
-from .sharded_planning import plan_exchange_sharded, plan_sharded, use_sharded_planning
+from .hollow import HOLLOW_FORMAT, HollowEncoding, encode_hollow, hollow_parts, tree_from_skeleton
+from .load_checks import gather_facts, raise_first_error
+from .load_exchange import HeldCheckpoint, LoadOptions, check_algo, load_into
+from .sharded_planning import plan_sharded, use_sharded_planning
+from .snapshot import SnapshotParts, from_parts
+from .template import preprocess, sharded_objects, sharded_tensors
 
 logger = logging.getLogger(__name__)
-
-ALGOS = ("atomic", "fully_parallel")
-
-
-def _check_algo(algo: str) -> bool:
-    if algo not in ALGOS:
-        raise ValidationError(f"unknown algo {algo!r}; use 'atomic' or 'fully_parallel'")
-    return algo == "fully_parallel"
-
-
-def _default_group(group):
-    if group is None and dist.is_initialized():
-        return dist.group.WORLD
-    return group
-
-
-def preprocess(sharded_state_dict: Any) -> Tuple[Any, Any, Any, Any]:
-    """Copy the structure (never the tensors), build factories, adapt Megatron objects.
-
-    Returns (sharded_part, common_part, nonpersistent_part, factories).
-    """
-    if not isinstance(sharded_state_dict, (dict, list)):
-        raise ValidationError(
-            f"a sharded state dict must be a dict (or list), got {type(sharded_state_dict).__name__}"
-        )
-    # Structural copy. Not split(x, lambda v: True): that leaves empty containers on the
-    # non-matching side, so an empty list in the state dict was silently not saved.
-    x = map_leaves(lambda v: v, sharded_state_dict)
-    factories, _ = split(x, is_factory)
-    factories = map_leaves(lambda f: f, factories)
-    apply_factories_and_adapt(x)
-    # Shallow copies: dropping data (fully parallel) or popping tensors must not reach into the
-    # caller's ShardedTensors, which a trainer may pass again to the next save.
-    map_leaves_inplace(lambda v: _shallow_copy(v) if is_sharded(v) else v, x)
-    nonpersistent, x = split(x, lambda v: isinstance(v, LocalNonpersistentObject))
-    map_leaves_inplace(lambda o: o.unwrap(), nonpersistent)
-    sharded, common = split(x, is_sharded)
-    return sharded, common, nonpersistent, factories
-
-
-def _shallow_copy(obj: Any) -> Any:
-    # copy.copy goes through __reduce_ex__ and costs ~10x more; state dicts have 100k shards.
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    return new
 
 
 def _check_not_meta(shards: Sequence[ShardedTensor]) -> None:
@@ -129,45 +71,12 @@ def _drop_unsaved(shards: Sequence[ShardedTensor], distribution: ShardDistributi
             sh.data = None
 
 
-def _my_global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _gather(payload: dict, group, world_scope: bool, scope_group=None) -> Tuple[List[dict], List[dict]]:
-    """One all-gather of ``payload``: ``(scope, members)``.
-
-    ``members`` are the payloads of ``group`` in group-rank order. With ``world_scope`` the
-    gather runs over every rank of the job — on ``scope_group`` when given (a group of all
-    ranks in global-rank order, e.g. a checkpoint manager's own), else the world group — and
-    ``members`` is picked out of it, so validation sees every rank at the price of no extra
-    collective.
-    """
-    if not dist.is_initialized():
-        return [payload], [payload]
-    n = collectives.group_size(group)
-    if world_scope and (n != dist.get_world_size() or (scope_group is not None and scope_group is not group)):
-        everyone = collectives.all_gather_msgpack(payload, scope_group)
-        members = [everyone[collectives.global_rank(group, i)] for i in range(n)]
-        return everyone, members
-    if n == 1:
-        return [payload], [payload]
-    gathered = collectives.all_gather_msgpack(payload, group)
-    return gathered, gathered
-
-
-def _scope_group(validation_group):
-    """The group of every rank a first save validates over (None: not distributed)."""
-    if validation_group is not None:
-        return validation_group
-    return dist.group.WORLD if dist.is_initialized() else None
-
-
 def _plan_gathered(shards, objects, group, validation_group, local_exc) -> Optional[ShardDistribution]:
     """One all-gather carries everything (integrity records, object records, structure
     fingerprint) and any local error, so a bad state dict on one rank fails every rank
     instead of leaving the others blocked in a collective; every rank checks every record and
     computes the group's distribution from the same data."""
-    payload = {"rank": _my_global_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
+    payload = {"rank": collectives.world_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
     if local_exc is None:
         try:
             payload["shards"] = [list(shard_record(sh)) for sh in shards]
@@ -177,399 +86,12 @@ def _plan_gathered(shards, objects, group, validation_group, local_exc) -> Optio
             local_exc = e
     if local_exc is not None:
         payload["error"] = f"{type(local_exc).__name__}: {local_exc}"
-    everyone, members = _gather(payload, group, world_scope=True, scope_group=validation_group)
-    _raise_first_error(everyone, local_exc)
+    everyone, members = gather_facts(payload, group, world_scope=True, scope_group=validation_group)
+    raise_first_error(everyone, local_exc)
     validate_sharding_integrity([g["shards"] for g in everyone], [g["objects"] for g in everyone])
     if collectives.group_size(group) > 1:
         return compute_distribution(shards, group, members)
     return None
-
-
-def _raise_first_error(gathered: Sequence[dict], local_exc: Optional[BaseException]) -> None:
-    """Raise on every rank if any rank reported an error (its own exception where it has one)."""
-    errors = [(g["rank"], g["error"]) for g in gathered if g["error"]]
-    if not errors:
-        return
-    if local_exc is not None:
-        raise local_exc
-    r, msg = errors[0]
-    more = f" (and {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""
-    raise ValidationError(f"rank {r}{more} failed, so every rank stops: {msg}")
-
-
-def sharded_tensors(tree: Any) -> List[ShardedTensor]:
-    return [v for v in nested_values(tree) if isinstance(v, ShardedTensor)]
-
-
-def sharded_objects(tree: Any) -> List[ShardedObject]:
-    return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
-
-
-@dataclass
-class PreparedTemplate:
-    """A load template taken apart once (``preprocess`` and its leaves): a restore checks it,
-    lists its target tensors and fills it, and accepts this wherever it takes a template, so
-    a 50k-shard template is walked once, not once per step. The fill writes into
-    ``sharded``: prepare again for another load."""
-
-    sharded: Any
-    common: Any
-    nonpersistent: Any
-    factories: Any
-    shards: List[ShardedTensor]
-    objects: List[ShardedObject]
-    #: the tree's skeleton and shard rows (see ``to_bytes``), when known from its one walk
-    structure: Optional[Tuple[Any, List[tuple]]] = None
-
-
-def prepare_template(template: Any) -> PreparedTemplate:
-    if isinstance(template, PreparedTemplate):
-        return template
-    parts = snapshot_parts(template) if template else None
-    if parts is not None:
-        # A plain template in one walk: what preprocess would give (no factories, nothing
-        # nonpersistent), plus its skeleton and rows for the same-structure check.
-        sharded, common, shards, objects = _from_parts(parts)
-        empty = {} if isinstance(template, dict) else []
-        return PreparedTemplate(
-            sharded, common, empty, type(empty)(), shards, objects, (parts.skeleton, parts.rows)
-        )
-    sharded, common, nonpersistent, factories = preprocess(template or {})
-    return PreparedTemplate(
-        sharded, common, nonpersistent, factories, sharded_tensors(sharded), sharded_objects(sharded)
-    )
-
-
-def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
-    """Shard id -> the tensor a template's ShardedTensor carries (where restored bytes can be
-    written in place, see ``to_state_dict(load_into_template=True)``)."""
-    if not sharded_state_dict:
-        return {}
-    return _template_targets(prepare_template(sharded_state_dict).shards)
-
-
-#: ``to_bytes`` format with the sharded tree split into skeleton + shard table (1: whole tree).
-HOLLOW_FORMAT = 2
-
-
-@dataclass
-class HollowEncoding:
-    """A hollow state dict's bytes (``meta``) and the parts they were made from."""
-
-    meta: bytes
-    skeleton: Any
-    rows: List[tuple]
-    skeleton_bytes: bytes
-    table_bytes: bytes
-
-
-def hollow_parts(sharded: Any) -> Tuple[Any, List[tuple], List[ShardedObject]]:
-    """The sharded tree as ``(skeleton, shard table rows, objects)`` (see ``to_bytes``)."""
-    rows: List[tuple] = []
-    objects: List[ShardedObject] = []
-
-    def strip(v):
-        if isinstance(v, ShardedTensor):
-            rows.append(shard_table.shard_row(v))
-            return len(rows) - 1
-        if isinstance(v, ShardedObject):
-            objects.append(v)
-            return -len(objects)
-        return v
-
-    return map_leaves(strip, sharded), rows, objects
-
-
-def encode_hollow(common, skeleton: bytes, table: bytes, objects, saved, devices, allow_pickle) -> bytes:
-    """The hollow bytes from their parts; a cached save passes the skeleton and table it
-    encoded before, so only the common state and the objects are encoded again."""
-    return codec.encode(
-        {
-            "format": HOLLOW_FORMAT,
-            "common": common,
-            "skeleton": skeleton,
-            "shards": table,
-            "objects": list(objects),
-            "saved": bytes(saved),
-            "devices": list(devices),
-        },
-        allow_pickle=allow_pickle,
-    )
-
-
-# ---- one-walk snapshot of a plain sharded state dict (the cached save's path) ----------------
-
-
-class _NotPlain(Exception):
-    """The state dict needs the general path (factories, Megatron objects, ...)."""
-
-
-@dataclass
-class SnapshotParts:
-    """A sharded state dict taken apart in one walk, copying nothing: what
-    ``preprocess`` + ``from_state_dict`` + ``to_bytes`` derive from it, for a plain state dict
-    (only our ShardedTensor / ShardedObject leaves, no factories, no LocalNonpersistentObject,
-    str keys above every sharded leaf). ``skeleton`` and ``rows`` equal
-    :func:`hollow_parts` of the general path's sharded tree and ``common`` its common part, so
-    a save that finds them unchanged reuses everything derived from them."""
-
-    common: Any = None
-    skeleton: Any = None
-    rows: List[tuple] = field(default_factory=list)
-    shards: List[ShardedTensor] = field(default_factory=list)
-    objects: List[ShardedObject] = field(default_factory=list)
-
-
-def snapshot_parts(sharded_state_dict: Any) -> Optional[SnapshotParts]:
-    """:class:`SnapshotParts` of ``sharded_state_dict``, or None if it is not plain."""
-    if not isinstance(sharded_state_dict, (dict, list)):
-        return None
-    parts = SnapshotParts()
-    try:
-        parts.skeleton, parts.common = _split_strip(sharded_state_dict, parts)
-    except _NotPlain:
-        return None
-    return parts
-
-
-def _special(v: Any) -> bool:
-    return isinstance(v, (ShardedTensor, ShardedObject, LocalNonpersistentObject)) or (
-        is_factory(v) or _adapt_leaf(v) is not v
-    )
-
-
-def _from_parts(parts: SnapshotParts):
-    """What ``preprocess`` and the leaf listings give, rebuilt from one-walk parts: the sharded
-    tree (from the skeleton, with shallow copies: dropping data must not reach the caller's
-    objects), the common part, its ShardedTensors and ShardedObjects in nested order."""
-    shards = [_shallow_copy(st) for st in parts.shards]
-    objects = [_shallow_copy(o) for o in parts.objects]
-    return _tree_from_skeleton(parts.skeleton, shards, objects), parts.common, shards, objects
-
-
-def _tree_from_skeleton(skeleton: Any, shards: Sequence[ShardedTensor], objects: Sequence[ShardedObject]):
-    """The sharded tree a skeleton stands for (ints are ShardedTensor ``i`` or, negative,
-    ShardedObject ``-1 - i``; see ``to_bytes``), built out of place."""
-    with paused_gc():
-        return map_leaves(
-            lambda v: (shards[v] if v >= 0 else objects[-1 - v]) if type(v) is int else v, skeleton
-        )
-
-
-def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
-    """``split(x, is_sharded)`` of the structural copy ``preprocess`` makes (plain dicts and
-    lists), with the sharded side's leaves replaced as in :func:`hollow_parts`. (Leaf tests
-    are inlined: this runs once per leaf of every cached save.)"""
-    shards, rows, objects, row = parts.shards, parts.rows, parts.objects, shard_table.shard_row
-    if isinstance(x, dict):
-        match: dict = {}
-        rest: dict = {}
-        for k, v in x.items():
-            t = type(v)
-            if t is ShardedTensor:
-                _check_key(k)
-                match[k] = len(rows)
-                shards.append(v)
-                rows.append(row(v))
-            elif t is ShardedObject:
-                _check_key(k)
-                objects.append(v)
-                match[k] = -len(objects)
-            elif isinstance(v, (dict, list)):
-                m, r = _split_strip(v, parts)
-                if nonempty(m):
-                    _check_key(k)
-                    match[k] = m
-                if nonempty(r) or not v:
-                    rest[k] = r
-            elif _special(v):
-                raise _NotPlain
-            else:
-                rest[k] = v
-        return match, rest
-    match_l: list = []
-    rest_l: list = []
-    for v in x:
-        t = type(v)
-        if t is ShardedTensor:
-            match_l.append(len(rows))
-            rest_l.append(HOLE)
-            shards.append(v)
-            rows.append(row(v))
-        elif t is ShardedObject:
-            objects.append(v)
-            match_l.append(-len(objects))
-            rest_l.append(HOLE)
-        elif isinstance(v, (dict, list)):
-            if v:
-                m, r = _split_strip(v, parts)
-                match_l.append(m if nonempty(m) else HOLE)
-                rest_l.append(r if nonempty(r) else HOLE)
-            else:
-                match_l.append(HOLE)
-                rest_l.append({} if isinstance(v, dict) else [])
-        elif _special(v):
-            raise _NotPlain
-        else:
-            match_l.append(HOLE)
-            rest_l.append(v)
-    return (match_l if nonempty(match_l) else []), rest_l
-
-
-def _check_key(k: Any) -> None:
-    # Cached parts are compared with ==, under which 1 == True == 1.0: only str keys above a
-    # sharded leaf keep that comparison exact (Megatron's state dicts have nothing else).
-    if type(k) is not str:
-        raise _NotPlain
-
-
-def _load_facts(
-    template_shards, template_objects, held, held_objects, ckpt_keys, validate, need_all=False
-) -> dict:
-    """What one rank contributes to a load's gathered verdict: the shards it holds
-    (``(shard id, dtype name, shape)``), the template shards it needs from others (``need_all``:
-    every template shard and object, so each is checked against what was saved), its
-    objects, the checkpoint keys it knows, the keys it requests, and (``validate``) the
-    template's records for the integrity check."""
-    held_ids = set() if need_all else {sid for sid, _, _ in held}
-    held_oids = set() if need_all else {o.object_id for o in held_objects}
-    facts = dict(
-        held=[[sid[0], list(sid[1]), dtype, list(shape)] for sid, dtype, shape in held],
-        need=[
-            [
-                st.key,
-                list(st.global_offset),
-                dtype_name(st.dtype),
-                list(st.local_shape),
-                st.allow_shape_mismatch,
-            ]
-            for st in template_shards
-            if st.shard_id not in held_ids
-        ],
-        need_obj=[
-            [o.key, list(o.global_offset), list(o.global_shape)]
-            for o in template_objects
-            if o.object_id not in held_oids
-        ],
-        held_obj=[[o.key, list(o.global_offset), list(o.global_shape)] for o in held_objects],
-        ckpt_keys=sorted(ckpt_keys),
-        requested=sorted({st.key for st in template_shards} | {o.key for o in template_objects}),
-        records=[],
-        obj_records=[],
-    )
-    if validate:
-        facts["records"] = [list(shard_record(st)) for st in template_shards]
-        facts["obj_records"] = [list(object_record(o)) for o in template_objects]
-    return facts
-
-
-class RestoreCheck(enum.IntEnum):
-    """What :func:`check_restorable` established (the same on every rank; falsy: nothing)."""
-
-    UNCHECKED = 0  # some rank could not vouch: the load runs its own checks
-    CHECKED = 1  # the full gathered check passed: the template's integrity is established
-    SAME_STRUCTURE = 2  # every rank's template has its own checkpoint's structure
-
-
-def check_restorable(
-    template: Any,
-    saved: Optional[Sequence["MCoreTensorAwareStateDict"]],
-    group: Optional[dist.ProcessGroup],
-    strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
-    validation_group: Optional[dist.ProcessGroup] = None,
-    local_error: Optional[BaseException] = None,
-    own: Optional["MCoreTensorAwareStateDict"] = None,
-) -> RestoreCheck:
-    """Decide, before any byte of a restore is written, whether :meth:`to_state_dict` into
-    ``template`` will pass its checks (collective over ``group``; ``validation_group`` as for
-    :meth:`MCoreTensorAwareStateDict.from_state_dict`).
-
-    ``saved``: hollow state dicts of the checkpoints this rank vouches for; across the ranks
-    every saved checkpoint of the iteration appears exactly once (which rank lists which does
-    not matter: the checks depend on their union; None: this rank cannot vouch for its share,
-    and every rank skips the checks, which then run inside the load). Every template shard counts as needed, so
-    its dtype and shape are checked against what was saved. Raises on every rank together
-    (a rank whose preparation failed passes ``local_error``). Returns whether the checks ran
-    (the same on every rank): then the template's sharding integrity is established and
-    ``to_state_dict`` into the same template may skip it (``validate_access_integrity=False``).
-
-    ``own``: this rank's own saved checkpoint (hollow), when it has it. The usual restart
-    restores into the structure it saved: if every rank's template has exactly its own
-    checkpoint's structure (tree, every shard's and object's metadata), the save's checks
-    (integrity validated job-wide at the first save of that structure) already cover it and
-    one all-reduce decides, instead of gathering and checking every shard record."""
-    group = _default_group(group)
-    local = {"rank": _my_global_rank(), "error": None, "unknown": saved is None}
-    saved = saved or []
-    template = None if local_error is not None else _prepare_or_error(template)
-    if isinstance(template, BaseException):
-        local_error, template = template, None
-    if _all_same_structure(template, own, validation_group, local_error):
-        return RestoreCheck.SAME_STRUCTURE
-    try:
-        if local_error is not None:
-            raise local_error
-        strict = parse_strict_flag(strict)
-        held = [
-            (st.shard_id, dtype_name(st.dtype), tuple(st.local_shape))
-            for h in saved
-            for st in h.tensor_metadata
-        ]
-        objects = [o for h in saved for o in sharded_objects(h.sharded_state_dict)]
-        keys = {st.key for h in saved for st in sharded_tensors(h.sharded_state_dict)}
-        keys |= {o.key for o in objects}
-        local.update(_load_facts(template.shards, template.objects, held, objects, keys, True, need_all=True))
-    except Exception as e:  # reported to every rank below
-        local_error = e
-        local["error"] = f"{type(e).__name__}: {e}"
-    scope, members = _gather(local, group, world_scope=True, scope_group=validation_group)
-    _raise_first_error(scope, local_error)
-    if any(g["unknown"] for g in scope) or not any(g["requested"] for g in members):
-        return RestoreCheck.UNCHECKED
-    _load_verdict(scope, members, collectives.group_rank(group), strict, True, True, _SilentLog)
-    return RestoreCheck.CHECKED
-
-
-def _prepare_or_error(template: Any):
-    try:
-        return prepare_template(template)
-    except Exception as e:  # travels with the next collective
-        return e
-
-
-def _all_same_structure(template, own, validation_group, local_error) -> bool:
-    """Collective over every rank of the job (``validation_group`` or the world, as the full
-    check's gather; one all-reduce, also with an error, which then travels in that gather):
-    does every rank's template have its own checkpoint's structure?"""
-    same = False
-    if local_error is None and template is not None and own is not None:
-        try:
-            same = _same_structure(template, own)
-        except Exception:  # e.g. a template leaf the walk cannot take: the full check decides
-            same = False
-    scope = _scope_group(validation_group)
-    return same if scope is None else collectives.all_agree(same, scope)
-
-
-def _same_structure(template: PreparedTemplate, saved: "MCoreTensorAwareStateDict") -> bool:
-    t_skeleton, t_rows = template.structure or hollow_parts(template.sharded)[:2]
-    s_skeleton, s_rows = saved.structure()
-    return (
-        t_rows == s_rows
-        and t_skeleton == s_skeleton
-        and [object_record(o) for o in template.objects]
-        == [object_record(o) for o in sharded_objects(saved.sharded_state_dict)]
-        and _str_keys_above_sharded(t_skeleton)
-    )
-
-
-def _str_keys_above_sharded(skeleton: Any) -> bool:
-    # == treats 1, 1.0 and True alike: only str keys make the comparison exact.
-    if isinstance(skeleton, dict):
-        return all(type(k) is str and _str_keys_above_sharded(v) for k, v in skeleton.items())
-    if isinstance(skeleton, list):
-        return all(_str_keys_above_sharded(v) for v in skeleton)
-    return True
 
 
 @dataclass
@@ -636,8 +158,8 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         manager's timeout and the job's own groups are never used). ``parts`` (our extension):
         :func:`snapshot_parts` of ``sharded_state_dict``, when the caller has them: the tree is
         then rebuilt from them instead of walked again."""
-        fully_parallel = _check_algo(algo)
-        group = _default_group(parallelization_group)
+        fully_parallel = check_algo(algo)
+        group = collectives.default_group(parallelization_group)
         n = collectives.group_size(group)
         distribution = None
         if cached_metadata is not None:
@@ -651,7 +173,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         objects: List[ShardedObject] = []
         try:
             if parts is not None:
-                sharded, common, shards, objects = _from_parts(parts)
+                sharded, common, shards, objects = from_parts(parts)
             else:
                 sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
                 shards, objects = sharded_tensors(sharded), sharded_objects(sharded)
@@ -660,7 +182,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             local_exc = e
         # Integrity is a property of the whole job (Megatron checks it over the world): a
         # data-parallel subgroup only sees part of each tensor-parallel tensor.
-        scope = _scope_group(validation_group)
+        scope = collectives.default_group(validation_group)
         if scope is not None and use_sharded_planning(collectives.group_size(scope)):
             # Thousands of ranks: each rank plans some keys (parallel/sharded_planning.py).
             distribution = plan_sharded(shards, objects, group, scope, local_exc)
@@ -897,7 +419,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 rows, shards = shard_table.decode_table(d["shards"])
                 objects = d["objects"]
                 skeleton = codec.decode(d["skeleton"])
-                sharded = _tree_from_skeleton(skeleton, shards, objects)
+                sharded = tree_from_skeleton(skeleton, shards, objects)
                 structure = (sharded, (skeleton, list(rows)))
             else:
                 sharded = d["sharded"]
@@ -961,418 +483,31 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         ``validate_access_integrity``, else over the group), then the exchange within the group;
         every error found before the exchange is raised on all ranks together.
         """
-        group = _default_group(parallelization_group)
-        n = collectives.group_size(group)
-        me = collectives.group_rank(group)
-        args = (sharded_state_dict, algo, exchange_algo, strict, extra_held)
-        if same_structure and algo == "fully_parallel":
-            return self._fill_same_structure(args, group, n, load_into_template, return_mismatch_keys)
-        # Integrity is validated over the whole job, as Megatron does: a data-parallel subgroup
-        # sees only part of each tensor-parallel tensor.
-        req, scope, members = self._gather_load_facts(
-            args,
-            group,
-            validate_access_integrity,
-            validation_group,
-        )
-        result = map_leaves(lambda v: v, self.common)
-        merge(result, req.nonpersistent)
-        if not any(g["requested"] for g in members):
-            # Nothing requested anywhere (Megatron returns the common state for an empty
-            # template): no exchange, no strictness verdict.
-            result = fill_holes(result)
-            return (result, set(), set()) if return_mismatch_keys else result
-        plan, ckpt_keys, unexpected, missing = _load_verdict(
-            scope, members, me, req.strict, req.fully_parallel, validate_access_integrity, logger
-        )
-        # Objects the rank lacks come from a rank that holds them (small; msgpack codec).
-        objects = self._exchange_objects(members, req.held_objects, group, n, me, ckpt_keys)
-        targets = _template_targets(req.template_shards) if load_into_template else {}
-        loaded = dict(req.held)
-        if n > 1:
-            loaded.update(
-                execute_exchange(
-                    plan, req.held, _allocator(targets, self._load_device()), group, req.exchange_algo
-                )
-            )
-        merge(result, _fill_template(req, loaded, targets, objects, unexpected))
-        result = fill_holes(result)
-        if req.strict == StrictHandling.IGNORE_ALL:
-            missing, unexpected = set(), set()
-        elif req.strict == StrictHandling.ASSUME_OK_UNEXPECTED:
-            missing = set()
-        return (result, missing, unexpected) if return_mismatch_keys else result
-
-    def _fill_same_structure(self, args, group, n, load_into_template, return_mismatch_keys):
-        """``to_state_dict`` for a template of this checkpoint's own structure on every rank:
-        only the shards ranks lack are looked up — one gather of them and (only if any) one of
-        who holds them; from SHARDED_PLANNING_MIN_WORLD ranks, planned by key instead
-        (``plan_exchange_sharded``: each rank's traffic is its own needs and holdings)."""
-        if use_sharded_planning(n):
-            req, plan = self._plan_same_structure_sharded(args, group)
-            exchange_algo = "p2p"  # each rank knows its own transfers only
-        else:
-            req, plan = self._plan_same_structure_gathered(args, group, n)
-            exchange_algo = req.exchange_algo
-        targets = _template_targets(req.template_shards) if load_into_template else {}
-        loaded = dict(req.held)
-        if plan.transfers:
-            loaded.update(
-                execute_exchange(
-                    plan, req.held, _allocator(targets, self._load_device()), group, exchange_algo
-                )
-            )
-        result = map_leaves(lambda v: v, self.common)
-        merge(result, req.nonpersistent)
-        merge(result, _fill_template(req, loaded, targets, {}, set()))
-        result = fill_holes(result)
-        return (result, set(), set()) if return_mismatch_keys else result
-
-    def _prepare_or_fail_together(self, args, group) -> "_LoadRequest":
-        local_exc: Optional[BaseException] = None
-        req = None
-        try:
-            req = self._prepare_load(*args)
-        except Exception as e:  # reported to every rank below
-            local_exc = e
-        collectives.gather_or_fail(None, local_exc, "preparing the restore", group)
-        assert req is not None
-        return req
-
-    def _plan_same_structure_sharded(self, args, group):
-        req = self._prepare_or_fail_together(args, group)
-        held = req.held
-        need = [(st.key, st.global_offset) for st in req.template_shards if st.shard_id not in held]
-        holdings = [(sid[0], sid[1], dtype_name(t.dtype), tuple(t.shape)) for sid, t in held.items()]
-        plan, first_absent = plan_exchange_sharded(need, holdings, group)
-        if first_absent is not None:
-            dst, sid = first_absent
-            raise _absent_error(collectives.global_rank(group, dst), sid)
-        return req, plan
-
-    def _plan_same_structure_gathered(self, args, group, n):
-        local_exc: Optional[BaseException] = None
-        req: Optional[_LoadRequest] = None
-        facts: Dict[str, Any] = {"rank": _my_global_rank(), "error": None, "need": [], "held": []}
-        try:
-            req = self._prepare_load(*args)
-            held = req.held
-            facts["need"] = [
-                [st.key, list(st.global_offset)] for st in req.template_shards if st.shard_id not in held
-            ]
-        except Exception as e:  # reported to every rank below
-            local_exc = e
-            facts["error"] = f"{type(e).__name__}: {e}"
-        members = collectives.all_gather_msgpack(facts, group) if n > 1 else [facts]
-        _raise_first_error(members, local_exc)
-        assert req is not None
-        wanted = {(key, tuple(off)) for g in members for key, off in g["need"]}
-        plan = ExchangePlan((), {})
-        if wanted:
-            held_wanted = [
-                [sid[0], list(sid[1]), dtype_name(t.dtype), list(t.shape)]
-                for sid, t in req.held.items()
-                if sid in wanted
-            ]
-            holders = collectives.all_gather_msgpack(held_wanted, group) if n > 1 else [held_wanted]
-            plan, absent = plan_exchange([{"need": g["need"], "held": h} for g, h in zip(members, holders)])
-            _raise_absent(absent, members, None)
-        return req, plan
-
-    def _gather_load_facts(self, args, group, validate, validation_group):
-        """Local preparation, then the one metadata all-gather. A local error is not raised
-        here but travels with the gather, so every rank raises together instead of leaving
-        peers in a collective. Returns (this rank's request, the scope's facts, the group's)."""
-        local_exc: Optional[BaseException] = None
-        req: Optional[_LoadRequest] = None
-        facts: Dict[str, Any] = {
-            "rank": _my_global_rank(),
-            "error": None,
-            **_load_facts((), (), (), (), (), False),
-        }
-        try:
-            req = self._prepare_load(*args)
-            facts.update(req.facts(validate))
-        except Exception as e:  # reported to every rank below
-            local_exc = e
-            facts["error"] = f"{type(e).__name__}: {e}"
-        scope, members = _gather(facts, group, world_scope=validate, scope_group=validation_group)
-        _raise_first_error(scope, local_exc)
-        assert req is not None
-        return req, scope, members
-
-    def _prepare_load(self, template, algo, exchange_algo, strict, extra_held) -> "_LoadRequest":
-        """The local half of a load (no collective): parse the arguments and the template,
-        list what this rank holds. Raises on a bad argument or a local shape mismatch."""
         if self._is_hollow:
             raise HollowStateError("to_state_dict() on a hollow state dict; insert_tensors() first")
-        fully_parallel = _check_algo(algo)
-        exchange_algo = check_algo(exchange_algo)
-        strict = parse_strict_flag(strict)
-        prepared = prepare_template(template)
+        return load_into(
+            self.held(extra_held),
+            sharded_state_dict,
+            LoadOptions(
+                algo=algo,
+                exchange_algo=exchange_algo,
+                validate_access_integrity=validate_access_integrity,
+                strict=strict,
+                return_mismatch_keys=return_mismatch_keys,
+                load_into_template=load_into_template,
+                same_structure=same_structure,
+            ),
+            collectives.default_group(parallelization_group),
+            validation_group,
+        )
+
+    def held(self, extra: Optional[Dict[Any, torch.Tensor]] = None) -> HeldCheckpoint:
+        """What this checkpoint gives a load: its common state, the shards it holds by shard id
+        (and ``extra`` ones, e.g. a lost rank's replica this rank serves), its objects, keys."""
         held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
-        for sid, t in (extra_held or {}).items():
+        for sid, t in (extra or {}).items():
             held.setdefault(sid, t)
-        held_objects = {o.object_id: o for o in sharded_objects(self.sharded_state_dict)}
-        ckpt_keys = {st.key for st in self._all_sharded_tensors()}
-        ckpt_keys |= {o.key for o in held_objects.values()}
-        req = _LoadRequest(
-            prepared.sharded,
-            prepared.nonpersistent,
-            prepared.factories,
-            prepared.shards,
-            prepared.objects,
-            held,
-            held_objects,
-            ckpt_keys,
-            fully_parallel,
-            exchange_algo,
-            strict,
-        )
-        self._check_local_shapes(req.template_shards, held)
-        return req
-
-    def _load_device(self) -> torch.device:
-        for st in self._saved_sharded_tensors():
-            return st.data.device
-        return torch.device("cpu")
-
-    @staticmethod
-    def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict) -> None:
-        for st in template_shards:
-            t = held.get(st.shard_id)
-            if t is None:
-                continue
-            if t.dtype != st.dtype:
-                raise ValidationError(
-                    f"{st.key!r} at offset {st.global_offset}: checkpoint has dtype {t.dtype}, the "
-                    f"state dict asks for {st.dtype}"
-                )
-            if tuple(t.shape) != st.local_shape and not st.allow_shape_mismatch:
-                raise ValidationError(
-                    f"{st.key!r} at offset {st.global_offset}: checkpoint has shape "
-                    f"{tuple(t.shape)}, the state dict asks for {st.local_shape} (set "
-                    "allow_shape_mismatch=True to accept the stored shape)"
-                )
-
-    def _exchange_objects(self, members, held_objects, group, n, me, ckpt_keys) -> Dict:
-        # Objects of keys no checkpoint has are unexpected keys: strictness handled them.
-        wanted = set()
-        for g in members:
-            for key, off, shape in g["need_obj"]:
-                if key in ckpt_keys:
-                    wanted.add((key, tuple(off), tuple(shape)))
-        if not wanted:
-            return {}
-        holders: Dict[Tuple, int] = {}
-        for r, g in enumerate(members):
-            for key, off, shape in g["held_obj"]:
-                holders.setdefault((key, tuple(off), tuple(shape)), r)
-        # (Every wanted object has a holder: _load_verdict checked it.)
-        mine = {oid: held_objects[oid].data for oid, r in holders.items() if r == me and oid in wanted}
-        # An unencodable object must not leave the other ranks waiting: the error travels in
-        # the gathered bytes (first byte 1) and every rank raises.
-        local_exc = None
-        try:
-            payload = b"\x00" + codec.encode(
-                [[[oid[0], list(oid[1]), list(oid[2])], v] for oid, v in mine.items()]
-            )
-        except Exception as e:
-            local_exc = e
-            payload = b"\x01" + f"{type(e).__name__}: {e}".encode("utf-8", "replace")
-        blobs = collectives.all_gather_bytes(payload, group) if n > 1 else [payload]
-        failed = [(r, b[1:].decode("utf-8", "replace")) for r, b in enumerate(blobs) if b[:1] == b"\x01"]
-        if failed:
-            if local_exc is not None:
-                raise local_exc
-            r, msg = failed[0]
-            raise ValidationError(
-                f"rank {members[r]['rank']} could not send its ShardedObjects, so every rank stops: {msg}"
-            )
-        out = {}
-        for blob in blobs:
-            for (key, off, shape), v in codec.decode(memoryview(blob)[1:]):
-                out[(key, tuple(off), tuple(shape))] = v
-        return out
-
-
-def _load_verdict(scope, members, me, strict, fully_parallel, validate_access_integrity, log):
-    """Every check of a load, decided from gathered facts so every rank reaches the same
-    verdict: template integrity, shards nobody saved, atomic holdings, dtype/shape of what
-    arrives, strictness, ShardedObjects nobody saved. Raises ValidationError (or strictness's
-    error) on every rank together; returns (exchange plan, checkpoint keys, this rank's
-    unexpected keys, missing keys). Pure: used before any byte is written
-    (:func:`check_restorable`) and by :meth:`MCoreTensorAwareStateDict.to_state_dict`."""
-    if validate_access_integrity:
-        validate_sharding_integrity([g["records"] for g in scope], [g["obj_records"] for g in scope])
-    global_ckpt_keys = set().union(*(g["ckpt_keys"] for g in members))
-    plan, absent_shards = plan_exchange(members)
-    _raise_absent(absent_shards, members, global_ckpt_keys)
-    if not fully_parallel:
-        # Atomic: a rank's checkpoint must hold every shard it asks for (the others are held
-        # by another rank, or the check above would have failed).
-        for g in members:
-            absent = [x for x in g["need"] if x[0] in global_ckpt_keys]
-            if absent:
-                raise ValidationError(
-                    f"rank {g['rank']}: shard {absent[0][0]!r} at offset {tuple(absent[0][1])} "
-                    "is not in this rank's checkpoint; load with algo='fully_parallel' to "
-                    "fetch it from the rank that saved it"
-                )
-    # Shards that will arrive from another rank must be what the template asks for.
-    for g in members:
-        for key, off, dtype, shape, mismatch_ok in g["need"]:
-            spec = plan.specs.get((key, tuple(off)))
-            if spec is None:
-                continue
-            if spec[0] != dtype or (tuple(spec[1]) != tuple(shape) and not mismatch_ok):
-                raise ValidationError(
-                    f"rank {g['rank']}: {key!r} at offset {tuple(off)}: checkpoint has "
-                    f"{spec[0]} {tuple(spec[1])}, the state dict asks for {dtype} "
-                    f"{tuple(shape)} (set allow_shape_mismatch=True to accept the stored shape)"
-                )
-    # Strictness is decided from gathered data, so every rank reaches the same verdict.
-    # Megatron's definitions: unexpected = requested but absent from the checkpoint (per
-    # rank); missing = in the checkpoint but requested by no rank (same on every rank).
-    unexpected_by_rank = [set(g["requested"]) - global_ckpt_keys for g in members]
-    mine_unexpected = unexpected_by_rank[me]
-    missing = global_ckpt_keys - set().union(*(g["requested"] for g in members))
-    check_missing = strict in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
-    if not check_missing:
-        missing = set()
-    # Raise decisions use every rank's unexpected keys; logging reports this rank's own.
-    apply_strictness(strict, missing, set().union(*unexpected_by_rank), _SilentLog)
-    apply_strictness(strict, missing, mine_unexpected, log)
-    _objects_nobody_saved(members, global_ckpt_keys)
-    return plan, global_ckpt_keys, mine_unexpected, missing
-
-
-def _raise_absent(absent_shards, members, ckpt_keys) -> None:
-    """Shards of keys the checkpoint has (``ckpt_keys``; None: every key), but at offsets
-    nobody saved: a sharding mismatch, never silently skipped."""
-    for r, sids in sorted(absent_shards.items()):
-        bad = [s for s in sids if ckpt_keys is None or s[0] in ckpt_keys]
-        if bad:
-            raise _absent_error(members[r]["rank"], bad[0])
-
-
-def _absent_error(rank: int, sid) -> ValidationError:
-    return ValidationError(
-        f"rank {rank}: shard {sid[0]!r} at offset {sid[1]} is in no rank's checkpoint (parallel "
-        "layout changed between save and load?); the layout at load must match the one at save"
-    )
-
-
-def _objects_nobody_saved(members, ckpt_keys) -> None:
-    held = {(key, tuple(off), tuple(shape)) for g in members for key, off, shape in g["held_obj"]}
-    nobody = sorted(
-        (key, tuple(off), tuple(shape))
-        for g in members
-        for key, off, shape in g["need_obj"]
-        if key in ckpt_keys and (key, tuple(off), tuple(shape)) not in held
-    )
-    if nobody:
-        raise ValidationError(
-            f"ShardedObject {nobody[0][0]!r} at offset {nobody[0][1]} with global shape "
-            f"{nobody[0][2]} is in no rank's checkpoint; the layout at load must match the "
-            "one at save"
-        )
-
-
-@dataclass
-class _LoadRequest:
-    """One rank's side of a load, prepared locally before the gathered verdict."""
-
-    sharded: Any  # the template's sharded part (a structural copy)
-    nonpersistent: Any
-    factories: Any
-    template_shards: List[ShardedTensor]
-    template_objects: List[ShardedObject]
-    held: Dict[Any, torch.Tensor]  # shard id -> tensor this rank can serve
-    held_objects: Dict[Any, ShardedObject]
-    ckpt_keys: set
-    fully_parallel: bool
-    exchange_algo: str
-    strict: StrictHandling
-
-    def facts(self, validate: bool) -> dict:
-        held = [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in self.held.items()]
-        return _load_facts(
-            self.template_shards,
-            self.template_objects,
-            held,
-            self.held_objects.values(),
-            self.ckpt_keys,
-            validate,
-        )
-
-
-def _template_targets(template_shards: Sequence[ShardedTensor]) -> Dict[Any, torch.Tensor]:
-    """Template tensors received shards may land in directly (materialized, right shape)."""
-    targets: Dict[Any, torch.Tensor] = {}
-    for st in template_shards:
-        d = st.data
-        if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
-            targets.setdefault(st.shard_id, d)
-    return targets
-
-
-def _allocator(targets: Dict[Any, torch.Tensor], device: torch.device):
-    """Where the exchange writes a received shard: its template tensor when dtype and shape
-    match (no new pages), else a fresh tensor on the load device."""
-
-    def allocate(sid, dtype, shape):
-        t = targets.get(sid)
-        if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(shape):
-            return t
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    return allocate
-
-
-def _fill_template(req: _LoadRequest, loaded, targets, objects, unexpected) -> Any:
-    """The template's sharded part with every leaf replaced by its data (in the template's
-    own tensor where possible); keys this rank requested but no checkpoint has are dropped."""
-
-    def fill(v):
-        if isinstance(v, ShardedTensor):
-            if v.key in unexpected:
-                return _DROP
-            t = loaded[v.shard_id]
-            dst = targets.get(v.shard_id)
-            if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
-                dst.copy_(t)
-                return dst
-            return t
-        if isinstance(v, ShardedObject):
-            if v.key in unexpected:
-                return _DROP
-            o = req.held_objects.get(v.object_id)
-            return o.data if o is not None else objects[v.object_id]
-        return v
-
-    sharded = req.sharded
-    map_leaves_inplace(fill, sharded)
-    return apply_factory_merges(_drop_marked(sharded), req.factories)
-
-
-class _SilentLog:
-    @staticmethod
-    def warning(*_a, **_k):
-        pass
-
-
-class _Drop:
-    def __repr__(self):
-        return "DROP"
-
-
-_DROP = _Drop()
-
-
-def _drop_marked(x):
-    if isinstance(x, dict):
-        return {k: _drop_marked(v) for k, v in x.items() if v is not _DROP}
-    if isinstance(x, list):
-        return [None if v is _DROP else _drop_marked(v) for v in x]
-    return x
+        objects = {o.object_id: o for o in sharded_objects(self.sharded_state_dict)}
+        keys = {st.key for st in self._all_sharded_tensors()} | {o.key for o in objects.values()}
+        device = next((st.data.device for st in self._saved_sharded_tensors()), torch.device("cpu"))
+        return HeldCheckpoint(self.common, held, objects, keys, device)

@@ -18,7 +18,8 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..memory import checksum
-from ..memory.store import CheckpointId, CheckpointStore
+from ..memory.layout import CheckpointId
+from ..memory.store import CheckpointStore
 from ..model.nested import map_leaves, merge
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from .layout import RawBytes, hollow_fqn

@@ -44,8 +44,8 @@ from ..errors import (
     ForeignCheckpointError,
     ValidationError,
 )
-from ..memory.store import FORMAT_VERSION as MEMORY_FORMAT_VERSION
-from ..memory.store import CheckpointId
+from ..memory.layout import FORMAT_VERSION as MEMORY_FORMAT_VERSION
+from ..memory.layout import CheckpointId
 from ..model import codec
 from ..model.mapping import ShardedTensor
 from ..model.nested import nested_values

@@ -66,10 +66,10 @@ from ..memory.store import CheckpointStore
 from ..model.mapping import ShardedObject, apply_factory_merges
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge, split
 from ..parallel import collectives
+from ..parallel.template import preprocess as preprocess_template
 
 # The template preprocessing the memory tier's load uses (private there until parallel/ exports it).
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
-from ..parallel.tensor_aware_state_dict import preprocess as preprocess_template
 from ..replication.transport import new_checkpoint_group
 from .interface import DurableCheckpoint, FlushHandle, FlushResult, LoadReport
 from .layout import (
@@ -215,6 +215,9 @@ class PersistentTier:
         self._latest_known = -1
         self._saves_seen = 0
         self._pinned: Optional[int] = None
+        #: iterations of queued requests (a periodic flush names the save that asked for it):
+        #: retention keeps them until their round has read them
+        self._queued: Dict[int, int] = {}
         self._closed = False
         self._prev_sigterm: Any = None
         self.sigterm_received = False
@@ -248,7 +251,9 @@ class PersistentTier:
         """Iterations a flush is reading from the store right now: retention should keep them
         (a retired segment reused mid-flush fails that flush)."""
         p = self._pinned
-        return [] if p is None else [p]
+        with self._lock:
+            queued = [it for it, n in self._queued.items() if n > 0]
+        return sorted(set(queued + ([] if p is None else [p])))
 
     # ---- listing -------------------------------------------------------------------------
 
@@ -326,7 +331,9 @@ class PersistentTier:
         self.note_complete(store, iteration)
         self._saves_seen += 1
         if self.every_n_saves and self._saves_seen % self.every_n_saves == 0:
-            return self._request("periodic", store, None)
+            # This iteration, pinned from now on: with keep_last=1 the next save would retire
+            # it before a round that starts later could read it.
+            return self._request("periodic", store, iteration)
         return None
 
     def flush(self, store: CheckpointStore, iteration: Optional[int] = None) -> FlushHandle:
@@ -348,6 +355,8 @@ class PersistentTier:
         fut: Future = Future()
         with self._lock:
             self._futures = [f for f in self._futures if not f.done()] + [fut]
+            if iteration is not None:
+                self._queued[iteration] = self._queued.get(iteration, 0) + 1
         self._queue.put(_Request(kind, store, iteration, fut))
         self._ensure_thread()
         return FlushHandle(fut, kind)
@@ -363,14 +372,19 @@ class PersistentTier:
             req = self._queue.get()
             if req is None:
                 return
-            if not req.future.set_running_or_notify_cancel():
-                continue
             try:
-                req.future.set_result(self._round(req))
-            except BaseException as e:  # reported through the handle
-                self.flushes_failed += 1
-                logger.warning("flush (%s) failed on rank %d: %s", req.kind, self.rank, e)
-                req.future.set_exception(e)
+                if not req.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    req.future.set_result(self._round(req))
+                except BaseException as e:  # reported through the handle
+                    self.flushes_failed += 1
+                    logger.warning("flush (%s) failed on rank %d: %s", req.kind, self.rank, e)
+                    req.future.set_exception(e)
+            finally:
+                if req.iteration is not None:
+                    with self._lock:
+                        self._queued[req.iteration] -= 1
 
     # ---- one flush round (flush thread) ----------------------------------------------------
 

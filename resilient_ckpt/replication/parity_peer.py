@@ -7,7 +7,7 @@ two exchanges over the checkpoint data group, among the members of this rank's g
    and every member learns the group's block size).
 2. Blocks: each member sends data block ``b`` to the parity holders of its ``b``-th stripe;
    each holder codes its parity block(s) (:mod:`.erasure`) straight into a store segment and
-   publishes it with a :data:`~..memory.store.PARITY_MAGIC` header listing the digests of
+   publishes it with a :data:`~..memory.layout.PARITY_MAGIC` header listing the digests of
    every share of its stripes. A member whose save failed still takes part in both
    exchanges (empty headers out, refusals in), so its partners fail at once, not at a timeout.
 
@@ -32,19 +32,19 @@ import torch
 
 from ..errors import CheckpointingException, CorruptCheckpointError, ReplicationError, StoreError
 from ..memory import checksum
-from ..memory.store import (
+from ..memory.layout import (
     FORMAT_VERSION,
     PARITY_MAGIC,
     CheckpointHeader,
     CheckpointId,
-    CheckpointStore,
     ParityId,
-    Segment,
     failed_tensors,
-    map_readonly,
     pack_envelope,
     writer_name,
 )
+from ..memory.reader import map_readonly
+from ..memory.segment import Segment
+from ..memory.store import CheckpointStore
 from ..parallel import collectives
 from . import erasure
 from .parity import ParityGroup, Rebuild, Share, Unrecoverable, block_nbytes, group_of, plan_rebuild

@@ -16,7 +16,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from ..errors import ReplicationError, StoreError
-from ..memory.store import CheckpointHeader, CheckpointId, CheckpointStore, Segment
+from ..memory.layout import CheckpointHeader, CheckpointId
+from ..memory.segment import Segment
+from ..memory.store import CheckpointStore
 from .healing import Repair
 from .placement import Placement
 from .replicator import ReplicationResult

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Protocol, runtime_checkable
 
-from ..memory.store import CheckpointHeader, CheckpointId, Segment
+from ..memory.layout import CheckpointHeader, CheckpointId
+from ..memory.segment import Segment
 
 
 @dataclass

@@ -14,7 +14,9 @@ import time
 from typing import Optional
 
 from ..errors import ReplicationError, StoreError
-from ..memory.store import CheckpointHeader, CheckpointStore, Segment
+from ..memory.layout import CheckpointHeader
+from ..memory.segment import Segment
+from ..memory.store import CheckpointStore
 from ..replication.peer import ReplicationResult
 from .client import DaemonClient, ReplicationState, header_digest, raise_unless_replicating
 

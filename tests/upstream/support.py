@@ -145,13 +145,14 @@ def tasd_cls(impl: str):
 #
 # The reference keeps ``{root}/{session}/{rank}/iter_{iteration:07d}_{owner}_local.pt``; ours a
 # header and a data segment per checkpoint, ``iter_{iteration:020d}.owner_{owner:06d}.{hdr,data}``
-# (resilient_ckpt/memory/store.py), with the header published last: a checkpoint exists iff its
-# header does. The helpers below answer the tests' file questions for either layout.
+# (named by resilient_ckpt/memory/layout.py, kept by store.py), with the header published
+# last: a checkpoint exists iff its header does. The helpers below answer the tests' file
+# questions for either layout.
 
 
 def ours_files(root, iteration: int, owner: int) -> List[Path]:
     """Our store's files (header and data) of checkpoint (iteration, owner) under ``root``."""
-    from resilient_ckpt.memory.store import CheckpointId
+    from resilient_ckpt.memory.layout import CheckpointId
 
     stem = CheckpointId(iteration, owner, "").stem()
     return sorted(p for p in Path(root).rglob(stem + ".*") if p.suffix in (".hdr", ".data"))

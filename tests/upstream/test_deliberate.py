@@ -57,7 +57,7 @@ def _empty_files(ctx, impl):
         dist.barrier()
         assert mgr.find_latest() == 10  # two empty files make a "complete" checkpoint
         return
-    from resilient_ckpt.memory.store import CheckpointId
+    from resilient_ckpt.memory.layout import CheckpointId
 
     d = Path(mgr.local_ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,8 @@ def _filename_to_id(ctx, impl):
             filename = ckpt_mgr._filename_from_template(iteration_string, rank)
             assert (123, 4) == ckpt_mgr._filename_to_id(filename)[:2]
         else:  # our store: the file name of checkpoint (123, owner 4) is read back as that id
-            from resilient_ckpt.memory.store import CheckpointId, CheckpointStore
+            from resilient_ckpt.memory.layout import CheckpointId
+            from resilient_ckpt.memory.store import CheckpointStore
 
             store = CheckpointStore(tmpdir, "s")
             store.header_path(CheckpointId(int(iteration_string), int(rank), "s")).touch()
@@ -209,7 +210,7 @@ class _OursCkpt:
     def same_as_aside(self):
         """The re-saved checkpoint holds the same tensors (bytes) and the same hollow state dict
         as the moved-aside one (header fields that name the writer and the time differ)."""
-        from resilient_ckpt.memory.store import CheckpointHeader
+        from resilient_ckpt.memory.layout import CheckpointHeader
 
         def read(files):
             hdr = next(p for p in files if p.suffix == ".hdr")

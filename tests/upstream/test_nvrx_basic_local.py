@@ -145,7 +145,7 @@ def find_latest_skeleton_ours(tmp_path_dist_ckpt, extra_suffix, repl_strategy=No
     """Ours: the files a rank "holds" are files named like our store's checkpoints (header and
     data of iteration 10, owner i, with the extra suffix after the name), in our store's session
     directory."""
-    from resilient_ckpt.memory.store import CheckpointId
+    from resilient_ckpt.memory.layout import CheckpointId
 
     with TempNamedDir(name=tmp_path_dist_ckpt / "test_find_latest_disabled_repl") as root_local_ckpt_dir:
         checkpoint_manager = make_manager(

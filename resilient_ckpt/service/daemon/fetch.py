@@ -23,7 +23,7 @@ import xxhash
 import zmq
 
 from ...errors import CheckpointingException, StoreFullError
-from ...memory.store import CheckpointHeader, CheckpointId
+from ...memory.layout import CheckpointHeader, CheckpointId
 from ..client import Holding, Rpc, error_from_reply, header_digest
 from ..wire import (
     CreditWindow,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ...errors import CheckpointingException, ReplicationError
-from ...memory.store import CheckpointHeader, CheckpointId, CheckpointStore
+from ...memory.layout import CheckpointHeader, CheckpointId
+from ...memory.store import CheckpointStore
 from ..client import Holding, header_digest
 from ..wire import (
     PROTOCOL_VERSION,

@@ -20,7 +20,8 @@ import xxhash
 
 from ...errors import CheckpointingException, StoreFullError
 from ...memory import checksum
-from ...memory.store import CheckpointHeader, CheckpointId, CheckpointStore
+from ...memory.layout import CheckpointHeader, CheckpointId
+from ...memory.store import CheckpointStore
 from ..client import header_digest
 from ..wire import CreditGranter, ErrorCode, Message, MessageType, chunk_checksum
 from .config import DEFAULT_CREDIT_BYTES

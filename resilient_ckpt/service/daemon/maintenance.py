@@ -14,7 +14,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ...errors import CheckpointingException, ReplicationError
-from ...memory.store import CheckpointId
+from ...memory.layout import CheckpointId
 from ..client import ClockSkewError, DaemonError, RecoveryPlan, Rpc, complete_iterations, plan_recovery
 from ..wire import ProtocolError
 from .config import logger

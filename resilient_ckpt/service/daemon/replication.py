@@ -23,7 +23,7 @@ import zmq
 import zmq.utils.monitor
 
 from ...errors import CheckpointingException
-from ...memory.store import CheckpointHeader, CheckpointId
+from ...memory.layout import CheckpointHeader, CheckpointId
 from ...replication.placement import Placement
 from ..client import Rpc, header_digest
 from ..wire import (

@@ -9,7 +9,6 @@ import errno
 import itertools
 import mmap
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -18,11 +17,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ...errors import CheckpointingException, CorruptCheckpointError, StoreError, StoreFullError
-from ...memory.store import CheckpointHeader, CheckpointId, CheckpointStore
+from ...memory.layout import OWNER, CheckpointHeader, CheckpointId, FileName, parse_name
+from ...memory.store import CheckpointStore
 from ..client import Holding, header_digest
 from .config import logger, valid_session_name
-
-DATA_NAME = re.compile(r"^iter_(\d{20})\.owner_(\d{6})\.(data|hdr)$")  # store.py's layout
 
 
 def read_or_none(path: Path) -> Optional[bytes]:
@@ -86,8 +84,8 @@ class Stores:
         seen = set()
         with contextlib.suppress(FileNotFoundError):
             for p in store.dir.iterdir():
-                m = DATA_NAME.match(p.name)
-                if not m or m.group(3) != "hdr":
+                name = parse_name(p.name)
+                if name is None or name.kind != OWNER or name.suffix != "hdr":
                     continue
                 try:
                     st = p.stat()
@@ -95,7 +93,7 @@ class Stores:
                     continue
                 key = (session, p.name)
                 seen.add(key)
-                holding = self._cached_holding(key, p, m, (st.st_ino, st.st_mtime_ns, st.st_size))
+                holding = self._cached_holding(key, p, name, (st.st_ino, st.st_mtime_ns, st.st_size))
                 if holding is not None:
                     out.append(holding)
         with self._lock:
@@ -104,14 +102,14 @@ class Stores:
         return sorted(out, key=lambda h: (h.iteration, h.owner))
 
     def _cached_holding(
-        self, key: Tuple[str, str], path: Path, m: "re.Match[str]", stamp: Tuple[int, int, int]
+        self, key: Tuple[str, str], path: Path, name: FileName, stamp: Tuple[int, int, int]
     ) -> Optional[Holding]:
         """The holding a header file describes: cached while the file's stamp is unchanged."""
         with self._lock:
             cached = self._cache.get(key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        holding = self._read_holding(key[0], path, int(m.group(1)), int(m.group(2)))
+        holding = self._read_holding(key[0], path, name.iteration, name.rank)
         if holding is not None:
             with self._lock:
                 self._cache[key] = (stamp, holding)
@@ -253,11 +251,11 @@ class Stores:
             recent = []
             with contextlib.suppress(FileNotFoundError):
                 for p in store.dir.iterdir():
-                    m = DATA_NAME.match(p.name)
-                    if m and m.group(3) == "data":
+                    name = parse_name(p.name)
+                    if name is not None and name.kind == OWNER and name.suffix == "data":
                         with contextlib.suppress(FileNotFoundError):
                             if now - p.stat().st_ctime < grace_s:  # claim = rename, sets ctime
-                                recent.append(CheckpointId(int(m.group(1)), int(m.group(2)), s))
+                                recent.append(CheckpointId(name.iteration, name.rank, s))
             try:
                 store.sweep_orphans(in_flight=recent)
             except OSError as e:
@@ -300,7 +298,7 @@ class ReadOnlyMap:
 
 _RSV_SEQ = itertools.count()
 _PAGE = mmap.PAGESIZE
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; as store.Segment.populate_pages
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; as segment.Segment.populate_pages
 
 
 class Reservation:

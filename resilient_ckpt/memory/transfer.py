@@ -1,0 +1,199 @@
+"""Moving a stored checkpoint's bytes into the tensors that restore them, at the copy limits.
+
+A restore's bytes go from a store file (tmpfs: reads are memcpy from the page cache) straight
+into each target tensor, verified on the way — every chunk is hashed (xxh3, streamed per
+tensor) right after it was read, while it is still in cache, so there is no second pass:
+
+* a **CPU** target is read into directly (``preadv`` into its own memory);
+* a **CUDA** target is read chunk by chunk into a bounded ring of page-locked buffers
+  (:class:`PinnedRing`), each chunk copied to the GPU asynchronously on a side stream while
+  the next is read; a slot is reused once its copy has run (an event per slot).
+
+Several threads move different tensors at once (preads and hashing release the GIL). Nothing
+maps a whole segment: memory is the targets plus one ring. The caller gets, per read, whether
+its bytes matched their checksum, and for CUDA targets an event the consumer's stream waits
+on (the copies are queued, not waited for on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import xxhash
+
+from .checksum import byte_view
+
+#: bytes moved per step: big enough for full-rate preads and H2D copies, small enough that a
+#: chunk is still in cache when it is hashed
+CHUNK_BYTES = 8 << 20
+#: threads moving tensors at once (each keeps two ring slots for CUDA targets)
+DEFAULT_THREADS = max(1, min(8, (os.cpu_count() or 2)))
+
+
+@dataclass
+class Read:
+    """One stored tensor (``nbytes`` at ``offset`` of the file, ``checksum`` or None) into
+    ``target`` (contiguous, its dtype and shape; CPU or CUDA). ``index``: for messages."""
+
+    offset: int
+    nbytes: int
+    checksum: Optional[int]
+    target: torch.Tensor
+    index: int = -1
+
+
+@dataclass
+class Moved:
+    """What :func:`read_into` did: reads whose bytes failed their checksum or came up short
+    (their ``index``), bytes moved, and — CUDA targets — the event after their copies."""
+
+    failed: List[int]
+    short: List[int]
+    nbytes: int
+    event: Optional["torch.cuda.Event"] = None
+
+    def fence(self, stream=None) -> None:
+        """Later work on ``stream`` (default: the current one) runs after the device copies."""
+        if self.event is not None:
+            (stream if stream is not None else torch.cuda.current_stream()).wait_event(self.event)
+
+
+class PinnedRing:
+    """Page-locked host buffers for host-to-device copies: ``slots`` of ``chunk`` bytes, each
+    reusable once the copy that read it has run. Allocated once per process and kept (pinning
+    is slow): restores reuse it."""
+
+    _shared: Optional["PinnedRing"] = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, slots: int, chunk: int = CHUNK_BYTES):
+        self.chunk = chunk
+        self._free: List[int] = list(range(slots))
+        self._events: List[Optional[torch.cuda.Event]] = [None] * slots
+        self._buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self._cv = threading.Condition()
+
+    @classmethod
+    def shared(cls, slots: int) -> "PinnedRing":
+        with cls._shared_lock:
+            ring = cls._shared
+            if ring is None or len(ring._buffers) < slots:
+                ring = cls._shared = PinnedRing(slots)
+            return ring
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunk * len(self._buffers)
+
+    def take(self) -> int:
+        """A free slot, once the copy that last read it has run."""
+        with self._cv:
+            while not self._free:
+                self._cv.wait()
+            slot = self._free.pop()
+        ev = self._events[slot]
+        if ev is not None:
+            ev.synchronize()
+        return slot
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def give(self, slot: int, event: Optional["torch.cuda.Event"]) -> None:
+        self._events[slot] = event
+        with self._cv:
+            self._free.append(slot)
+            self._cv.notify()
+
+
+def read_into(path: str, reads: Sequence[Read], threads: int = DEFAULT_THREADS) -> Moved:
+    """Move every read's bytes from the file at ``path`` into its target, verified on the way
+    (see the module docstring). CUDA copies are queued on a side stream of the targets'
+    device; ``Moved.event`` follows them."""
+    reads = [r for r in reads if r.nbytes]
+    cuda = [r for r in reads if r.target.is_cuda]
+    stream = ring = None
+    if cuda:
+        device = cuda[0].target.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # targets written after their last use
+        ring = PinnedRing.shared(2 * max(1, min(threads, len(cuda))))
+    failed: List[int] = []
+    short: List[int] = []
+    lock = threading.Lock()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def move(r: Read) -> None:
+            ok, complete = _to_device(fd, r, ring, stream) if r.target.is_cuda else _to_host(fd, r)
+            if not (ok and complete):
+                with lock:
+                    (failed if complete else short).append(r.index)
+
+        # Largest first: one big tensor should not start last and finish alone.
+        order = sorted(reads, key=lambda r: -r.nbytes)
+        if threads <= 1 or len(order) <= 1:
+            for r in order:
+                move(r)
+        else:
+            with ThreadPoolExecutor(
+                max_workers=min(threads, len(order)), thread_name_prefix="resilient_ckpt-read"
+            ) as pool:
+                list(pool.map(move, order))
+    finally:
+        os.close(fd)
+    event = None
+    if stream is not None:
+        event = torch.cuda.Event()
+        event.record(stream)
+    return Moved(sorted(failed), sorted(short), sum(r.nbytes for r in reads), event)
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
+def _to_host(fd: int, r: Read):
+    """(checksum ok, read complete): ``r`` read chunk by chunk into its CPU target."""
+    view = byte_view(r.target)
+    h = xxhash.xxh3_64()
+    for start in range(0, r.nbytes, CHUNK_BYTES):
+        part = view[start : start + CHUNK_BYTES]
+        if _pread(fd, part, r.offset + start) != len(part):
+            return False, False
+        h.update(part)
+    return r.checksum is None or h.intdigest() == r.checksum, True
+
+
+def _to_device(fd: int, r: Read, ring: PinnedRing, stream):
+    """(checksum ok, read complete): ``r`` through ring slots into its CUDA target."""
+    dst = r.target.view(-1).view(torch.uint8) if r.target.dim() else r.target.reshape(1).view(torch.uint8)
+    h = xxhash.xxh3_64()
+    for start in range(0, r.nbytes, ring.chunk):
+        n = min(ring.chunk, r.nbytes - start)
+        slot = ring.take()
+        buf = ring.buffer(slot)
+        event = None
+        try:
+            view = byte_view(buf)[:n]
+            if _pread(fd, view, r.offset + start) != n:
+                return False, False
+            h.update(view)
+            with torch.cuda.stream(stream):
+                dst[start : start + n].copy_(buf[:n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        finally:
+            ring.give(slot, event)
+    return r.checksum is None or h.intdigest() == r.checksum, True

@@ -1,0 +1,70 @@
+"""The fill of a load template: where the exchange writes a received shard
+(:func:`allocator`: the template's own tensor when it fits) and the template's sharded part
+with every leaf replaced by its restored data (:func:`fill_template`), keys no checkpoint has
+dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from ..model.nested import map_leaves_inplace
+from .load_checks import LoadRequest
+
+
+def allocator(targets: Dict[Any, torch.Tensor], device: torch.device):
+    """Where the exchange writes a received shard: its template tensor when dtype and shape
+    match (no new pages), else a fresh tensor on the load device."""
+
+    def allocate(sid, dtype, shape):
+        t = targets.get(sid)
+        if t is not None and t.dtype == dtype and tuple(t.shape) == tuple(shape):
+            return t
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return allocate
+
+
+def fill_template(req: LoadRequest, loaded, targets, objects, unexpected) -> Any:
+    """The template's sharded part with every leaf replaced by its data (in the template's
+    own tensor where possible); keys this rank requested but no checkpoint has are dropped."""
+
+    def fill(v):
+        if isinstance(v, ShardedTensor):
+            if v.key in unexpected:
+                return _DROP
+            t = loaded[v.shard_id]
+            dst = targets.get(v.shard_id)
+            if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
+                dst.copy_(t)
+                return dst
+            return t
+        if isinstance(v, ShardedObject):
+            if v.key in unexpected:
+                return _DROP
+            o = req.held_objects.get(v.object_id)
+            return o.data if o is not None else objects[v.object_id]
+        return v
+
+    sharded = req.sharded
+    map_leaves_inplace(fill, sharded)
+    return apply_factory_merges(_drop_marked(sharded), req.factories)
+
+
+class _Drop:
+    def __repr__(self):
+        return "DROP"
+
+
+_DROP = _Drop()
+
+
+def _drop_marked(x):
+    if isinstance(x, dict):
+        return {k: _drop_marked(v) for k, v in x.items() if v is not _DROP}
+    if isinstance(x, list):
+        return [None if v is _DROP else _drop_marked(v) for v in x]
+    return x

@@ -1,0 +1,112 @@
+"""A sharded state dict taken apart for saving or as a load template.
+
+:func:`preprocess` splits a sharded state dict into its sharded, common and nonpersistent
+parts and its factories (copying the structure, never the tensors); :func:`prepare_template`
+does it once per restore (:class:`PreparedTemplate`: checked, targeted and filled from the
+same walk); :func:`template_targets` / :func:`shard_targets` name the template tensors
+restored bytes can be written into in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import ValidationError
+from ..model.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    apply_factories_and_adapt,
+    is_factory,
+    is_sharded,
+)
+from ..model.nested import map_leaves, map_leaves_inplace, nested_values, split
+from .snapshot import from_parts, shallow_copy, snapshot_parts
+
+
+def preprocess(sharded_state_dict: Any) -> Tuple[Any, Any, Any, Any]:
+    """Copy the structure (never the tensors), build factories, adapt Megatron objects.
+
+    Returns (sharded_part, common_part, nonpersistent_part, factories).
+    """
+    if not isinstance(sharded_state_dict, (dict, list)):
+        raise ValidationError(
+            f"a sharded state dict must be a dict (or list), got {type(sharded_state_dict).__name__}"
+        )
+    # Structural copy. Not split(x, lambda v: True): that leaves empty containers on the
+    # non-matching side, so an empty list in the state dict was silently not saved.
+    x = map_leaves(lambda v: v, sharded_state_dict)
+    factories, _ = split(x, is_factory)
+    factories = map_leaves(lambda f: f, factories)
+    apply_factories_and_adapt(x)
+    # Shallow copies: dropping data (fully parallel) or popping tensors must not reach into the
+    # caller's ShardedTensors, which a trainer may pass again to the next save.
+    map_leaves_inplace(lambda v: shallow_copy(v) if is_sharded(v) else v, x)
+    nonpersistent, x = split(x, lambda v: isinstance(v, LocalNonpersistentObject))
+    map_leaves_inplace(lambda o: o.unwrap(), nonpersistent)
+    sharded, common = split(x, is_sharded)
+    return sharded, common, nonpersistent, factories
+
+
+def sharded_tensors(tree: Any) -> List[ShardedTensor]:
+    return [v for v in nested_values(tree) if isinstance(v, ShardedTensor)]
+
+
+def sharded_objects(tree: Any) -> List[ShardedObject]:
+    return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
+
+
+@dataclass
+class PreparedTemplate:
+    """A load template taken apart once (``preprocess`` and its leaves): a restore checks it,
+    lists its target tensors and fills it, and accepts this wherever it takes a template, so
+    a 50k-shard template is walked once, not once per step. The fill writes into
+    ``sharded``: prepare again for another load."""
+
+    sharded: Any
+    common: Any
+    nonpersistent: Any
+    factories: Any
+    shards: List[ShardedTensor]
+    objects: List[ShardedObject]
+    #: the tree's skeleton and shard rows (see ``to_bytes``), when known from its one walk
+    structure: Optional[Tuple[Any, List[tuple]]] = None
+
+
+def prepare_template(template: Any) -> PreparedTemplate:
+    if isinstance(template, PreparedTemplate):
+        return template
+    parts = snapshot_parts(template) if template else None
+    if parts is not None:
+        # A plain template in one walk: what preprocess would give (no factories, nothing
+        # nonpersistent), plus its skeleton and rows for the same-structure check.
+        sharded, common, shards, objects = from_parts(parts)
+        empty = {} if isinstance(template, dict) else []
+        return PreparedTemplate(
+            sharded, common, empty, type(empty)(), shards, objects, (parts.skeleton, parts.rows)
+        )
+    sharded, common, nonpersistent, factories = preprocess(template or {})
+    return PreparedTemplate(
+        sharded, common, nonpersistent, factories, sharded_tensors(sharded), sharded_objects(sharded)
+    )
+
+
+def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
+    """Shard id -> the tensor a template's ShardedTensor carries (where restored bytes can be
+    written in place, see ``to_state_dict(load_into_template=True)``)."""
+    if not sharded_state_dict:
+        return {}
+    return shard_targets(prepare_template(sharded_state_dict).shards)
+
+
+def shard_targets(template_shards: Sequence[ShardedTensor]) -> Dict[Any, torch.Tensor]:
+    """Template tensors received shards may land in directly (materialized, right shape)."""
+    targets: Dict[Any, torch.Tensor] = {}
+    for st in template_shards:
+        d = st.data
+        if d is not None and not d.is_meta and tuple(d.shape) == st.local_shape:
+            targets.setdefault(st.shard_id, d)
+    return targets
