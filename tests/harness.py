@@ -23,6 +23,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from resilient_ckpt.bench.fabric import Fabric, NodeNet, join
+
 
 class _Killed:
     def __repr__(self) -> str:
@@ -47,6 +49,8 @@ class RankContext:
     ranks_per_node: int
     tmp_root: str
     extra_env: Dict[str, str] = field(default_factory=dict)
+    #: this rank's node on a network fabric (run_ranks(fabric=...)); None: loopback
+    net: Optional[NodeNet] = None
 
     @property
     def node(self) -> int:
@@ -74,15 +78,16 @@ class RankFailed(AssertionError):
 
 
 def _entry(fn, ctx: RankContext, port: int, args, result_q, timeout_s: float) -> None:
+    node_env = join(ctx.net)  # before any socket or thread exists: they all live on the node
+    master = node_env["MASTER_ADDR"]
     os.environ.update(
         {
-            "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(ctx.rank),
             "WORLD_SIZE": str(ctx.world_size),
             "LOCAL_RANK": str(ctx.local_rank),
             "LOCAL_WORLD_SIZE": str(ctx.ranks_per_node),
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            **node_env,
             **ctx.extra_env,  # a test may override the launcher's variables
         }
     )
@@ -93,7 +98,7 @@ def _entry(fn, ctx: RankContext, port: int, args, result_q, timeout_s: float) ->
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{master}:{port}",
             rank=ctx.rank,
             world_size=ctx.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -108,6 +113,22 @@ def _entry(fn, ctx: RankContext, port: int, args, result_q, timeout_s: float) ->
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _contexts(world_size: int, rpn: int, tmp_root, extra_env, fabric: Optional[Fabric]) -> List[RankContext]:
+    if fabric is not None and fabric.nodes * rpn < world_size:
+        raise ValueError(f"{world_size} ranks at {rpn} per node need {-(-world_size // rpn)} fabric nodes")
+    return [
+        RankContext(
+            r,
+            world_size,
+            rpn,
+            str(tmp_root),
+            dict(extra_env or {}),
+            fabric.net(r // rpn) if fabric is not None else None,
+        )
+        for r in range(world_size)
+    ]
 
 
 _CTX = None
@@ -142,6 +163,7 @@ def run_ranks(
     expect_killed: Sequence[int] = (),
     extra_env: Optional[Dict[str, str]] = None,
     allow_children: bool = False,
+    fabric: Optional[Fabric] = None,
 ) -> List[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; results in rank order.
 
@@ -151,14 +173,16 @@ def run_ranks(
 
     ``allow_children``: ranks are not daemonic, so they may start processes of their own
     (checkpoint workers of the async queues); they are still killed on timeout.
+
+    ``fabric``: each node's ranks run in that node's network namespace and reach each other
+    over its links (gloo bound to the node's interface, the TCPStore on node 0's address);
+    the fabric needs at least ``world_size / ranks_per_node`` nodes.
     """
     ctx_mp = _mp_context()
-    rpn = ranks_per_node or world_size
     port = free_port()
     q = ctx_mp.Queue()
     procs = []
-    for r in range(world_size):
-        ctx = RankContext(r, world_size, rpn, str(tmp_root), dict(extra_env or {}))
+    for ctx in _contexts(world_size, ranks_per_node or world_size, tmp_root, extra_env, fabric):
         p = ctx_mp.Process(
             target=_entry,
             args=(fn, ctx, port, tuple(args), q, collective_timeout),

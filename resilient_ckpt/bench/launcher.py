@@ -1,4 +1,5 @@
-"""The bench launcher: run a function in W fresh rank processes (a gloo group on loopback).
+"""The bench launcher: run a function in W fresh rank processes (a gloo group on loopback, or
+each node's ranks inside that node's namespace of a network fabric, :mod:`.fabric`).
 
 Shared by :mod:`.runner` (the benchmark's save and restore phases) and :mod:`.limits` (the
 transport measurements); it imports neither, so the two do not import each other.
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import CheckpointingException, ValidationError
+from .fabric import Fabric, NodeNet, join
 
 _NOISE = (
     "The pynvml package is deprecated",
@@ -43,6 +45,7 @@ class RankContext:
     replication_factor: int = 2
     phase: str = "save"  # "save" | "restore"
     services: Any = None  # NodeServices.info of the system's per-node services, if any
+    net: Optional[NodeNet] = None  # this rank's node on a network fabric (None: loopback)
 
     @property
     def node(self) -> int:
@@ -147,14 +150,15 @@ def _entry(
     pg_timeout_s: float,
     imports: Sequence[str] = (),
 ) -> None:
+    node_env = join(ctx.net)  # first: every socket and thread of the rank lives on its node
+    master = node_env["MASTER_ADDR"]
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(ctx.rank),
         WORLD_SIZE=str(ctx.world_size),
         LOCAL_RANK=str(ctx.local_rank),
         LOCAL_WORLD_SIZE=str(ctx.ranks_per_node),
-        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        **node_env,
     )
     quiet()
     import importlib
@@ -171,7 +175,7 @@ def _entry(
         if init_pg:
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=f"tcp://{master}:{port}",
                 rank=ctx.rank,
                 world_size=ctx.world_size,
                 timeout=timedelta(seconds=pg_timeout_s),
@@ -253,16 +257,22 @@ def launch(
     phase: str = "save",
     services: Any = None,
     preload: Sequence[str] = (),
+    fabric: Optional[Fabric] = None,
 ) -> List[Any]:
     """Run ``fn(ctx, *args)`` in ``world_size`` fresh processes; results in rank order.
 
     With ``hold`` every rank waits after reporting and is then SIGKILLed (all of them, only
     after all reported). Any rank error, unexpected death or timeout kills all ranks and
-    raises :class:`CheckpointingException` with the rank's traceback.
+    raises :class:`CheckpointingException` with the rank's traceback. ``fabric``: node n's
+    ranks run in the fabric's node n (``ctx.net``), which must exist.
     """
     if world_size < 1:
         raise ValidationError(f"world_size={world_size}: pass at least 1 rank")
     rpn = ranks_per_node or world_size
+    if fabric is not None and fabric.nodes < -(-world_size // rpn):
+        raise ValidationError(
+            f"{world_size} ranks at {rpn} per node need more than {fabric.nodes} fabric nodes"
+        )
     ctx_mp = mp_context(preload)
     port = free_port()
     q = ctx_mp.Queue()
@@ -272,7 +282,17 @@ def launch(
         _start_rank(
             ctx_mp,
             fn,
-            RankContext(r, world_size, rpn, str(tmp_root), session, replication_factor, phase, services),
+            RankContext(
+                r,
+                world_size,
+                rpn,
+                str(tmp_root),
+                session,
+                replication_factor,
+                phase,
+                services,
+                fabric.net(r // rpn) if fabric is not None else None,
+            ),
             entry_args,
         )
         for r in range(world_size)

@@ -13,7 +13,9 @@
   staging from the GPU into pinned shared memory, and a restore into GPU tensors, can reach.
 
 All return bytes per second (medians over repetitions). The two transport measurements start
-their own processes with the bench launcher (:func:`resilient_ckpt.bench.launcher.launch`).
+their own processes with the bench launcher (:func:`resilient_ckpt.bench.launcher.launch`);
+given a network fabric (:mod:`.fabric`) they run between its nodes 0 and 1 instead, through
+node 1's shaped link: what that link actually delivers (:func:`link_limits`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 import torch
 
 from ..errors import ValidationError
+
+if TYPE_CHECKING:
+    from .fabric import Fabric
 
 FRAME_BYTES = 64 << 20
 
@@ -141,9 +146,34 @@ def _gloo_rank(ctx, total: int, chunk: int, reps: int) -> Optional[float]:
     return n * chunk / statistics.median(times) if ctx.rank == 0 else None
 
 
+def _ring_rank(ctx, total: int, chunk: int, reps: int) -> float:
+    """Every rank sends ``total`` bytes to the next rank and receives as much from the previous
+    one, all at once (what ring replication does), with the checkpoint transport from and into
+    plain memory (no staging, checksums or store); this rank's bytes/s each way."""
+    import torch.distributed as dist
+
+    from ..replication.transport import Incoming, Outgoing, P2PTransport, new_checkpoint_group
+
+    group = new_checkpoint_group("gloo", timeout_s=600)
+    transport = P2PTransport(group, chunk_bytes=chunk, timeout=600)
+    w, r = ctx.world_size, ctx.rank
+    src = torch.ones(total, dtype=torch.uint8)
+    dst = torch.zeros(total, dtype=torch.uint8)
+    times: List[float] = []
+    for rep in range(reps + 1):  # the first round is a warm-up
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        transport.exchange([Outgoing((r + 1) % w, b"", src)], [Incoming((r - 1) % w, lambda _h, _n: dst)])
+        dist.barrier(group=group)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return total / statistics.median(times)
+
+
 def _zmq_rank(ctx, port: int, total: int, frame: int, reps: int) -> Optional[float]:
     import zmq
 
+    host = ctx.net.master_addr if ctx.net is not None else "127.0.0.1"  # rank 0's node
     n = max(1, total // frame)
     zctx = zmq.Context()
     sock = zctx.socket(zmq.PAIR)
@@ -152,7 +182,7 @@ def _zmq_rank(ctx, port: int, total: int, frame: int, reps: int) -> Optional[flo
     sock.setsockopt(zmq.SNDTIMEO, 120_000)
     try:
         if ctx.rank == 0:
-            sock.bind(f"tcp://127.0.0.1:{port}")
+            sock.bind(f"tcp://{host}:{port}")
             payload = memoryview(torch.ones(frame, dtype=torch.uint8).numpy())
             times: List[float] = []
             for rep in range(reps + 1):
@@ -165,7 +195,7 @@ def _zmq_rank(ctx, port: int, total: int, frame: int, reps: int) -> Optional[flo
                 if rep:
                     times.append(time.perf_counter() - t0)
             return n * frame / statistics.median(times)
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.connect(f"tcp://{host}:{port}")
         for _ in range(reps + 1):
             sock.send(b"ready")
             got = 0
@@ -181,19 +211,27 @@ def _zmq_rank(ctx, port: int, total: int, frame: int, reps: int) -> Optional[flo
         zctx.term()
 
 
-def gloo_p2p_bandwidth(total: int = 1 << 30, *, chunk: int = FRAME_BYTES, reps: int = 3) -> float:
-    """Bytes/s of gloo send/recv of ``chunk``-byte tensors between 2 processes on loopback."""
+def gloo_p2p_bandwidth(
+    total: int = 1 << 30, *, chunk: int = FRAME_BYTES, reps: int = 3, fabric: Optional["Fabric"] = None
+) -> float:
+    """Bytes/s of gloo send/recv of ``chunk``-byte tensors between 2 processes on loopback (or
+    from node 0 to node 1 of ``fabric``)."""
     from .launcher import launch
 
     _check_positive("total", total)
     _check_positive("chunk", chunk)
     with tempfile.TemporaryDirectory(prefix="rckpt-limits-") as root:
-        out = launch(_gloo_rank, 2, root, args=(total, min(chunk, total), reps))
+        out = launch(
+            _gloo_rank, 2, root, args=(total, min(chunk, total), reps), ranks_per_node=1, fabric=fabric
+        )
     return out[0]
 
 
-def zmq_bandwidth(total: int = 1 << 30, *, frame: int = FRAME_BYTES, reps: int = 3) -> float:
-    """Bytes/s of ZeroMQ zero-copy multipart messages between 2 processes on loopback."""
+def zmq_bandwidth(
+    total: int = 1 << 30, *, frame: int = FRAME_BYTES, reps: int = 3, fabric: Optional["Fabric"] = None
+) -> float:
+    """Bytes/s of ZeroMQ zero-copy multipart messages between 2 processes on loopback (or
+    from node 1 to node 0 of ``fabric``)."""
     from .launcher import free_port, launch
 
     _check_positive("total", total)
@@ -205,8 +243,50 @@ def zmq_bandwidth(total: int = 1 << 30, *, frame: int = FRAME_BYTES, reps: int =
             root,
             args=(free_port(), total, min(frame, total), reps),
             init_process_group=False,
+            ranks_per_node=1,
+            fabric=fabric,
         )
     return out[0]
+
+
+def gloo_ring_bandwidth(
+    fabric: "Fabric", total: int = 1 << 30, *, chunk: int = FRAME_BYTES, reps: int = 2
+) -> float:
+    """Bytes/s each node sends (and receives) when every node of ``fabric`` sends to the next
+    one at once with the checkpoint transport (gloo), one rank per node: the fabric's own bound
+    on ring replication (on one host every link shares the same CPUs)."""
+    from .launcher import launch
+
+    with tempfile.TemporaryDirectory(prefix="rckpt-limits-") as root:
+        out = launch(
+            _ring_rank,
+            fabric.nodes,
+            root,
+            args=(total, min(chunk, total), reps),
+            ranks_per_node=1,
+            fabric=fabric,
+        )
+    return min(out)
+
+
+def link_limits(fabric: "Fabric", total: int = 1 << 30, *, reps: int = 2) -> Dict[str, Any]:
+    """What the links of ``fabric`` deliver, in bytes/s: gloo send/recv (node 0 to node 1) and
+    ZeroMQ with the daemon's 4 MiB frames (node 1 to node 0), each alone on the fabric
+    (``link_bps``: the better); and, with three or more nodes, every node sending to
+    the next at once (``ring_bps``, per node)."""
+    from .fabric import format_rate
+
+    out: Dict[str, Any] = {
+        "gloo_p2p_bps": gloo_p2p_bandwidth(total, reps=reps, fabric=fabric),
+        "zmq_bps": zmq_bandwidth(total, frame=4 << 20, reps=reps, fabric=fabric),
+    }
+    out["link_bps"] = max(out["gloo_p2p_bps"], out["zmq_bps"])
+    text = f"one link alone delivers {format_rate(out['link_bps'] * 8)}"
+    if fabric.nodes >= 3:  # two nodes: one pair both ways, which gloo runs unevenly (0.76-0.85 of a link)
+        out["ring_bps"] = gloo_ring_bandwidth(fabric, total // 2, reps=reps)
+        text += f"; {fabric.nodes} nodes sending at once, {format_rate(out['ring_bps'] * 8)} each"
+    out["describe"] = f"{fabric.describe()}: {text}"
+    return out
 
 
 def cuda_copy_bandwidth(

@@ -150,7 +150,14 @@ class _NodeDaemons:
 
         roots = [cluster.store_root(n) for n in range(cluster.num_nodes)]
         self.session = cluster.session
-        self.daemons = LocalDaemonCluster(roots, Path(cluster.tmp_root) / "daemons", cluster.session).start()
+        fab = cluster.fabric  # --fabric netns: each daemon inside its node, on the node's address
+        self.daemons = LocalDaemonCluster(
+            roots,
+            Path(cluster.tmp_root) / "daemons",
+            cluster.session,
+            hosts=None if fab is None else [fab.address(n) for n in range(cluster.num_nodes)],
+            wrap=None if fab is None else fab.command,
+        ).start()
         self.info = {"endpoints": list(self.daemons.endpoints), "env": self.daemons.env}
 
     def kill_node(self, node: int) -> None:

@@ -22,6 +22,15 @@ also has to move the whole state B of a rank back to its GPU; g = ranks sharing 
 * durable:            g*s / d2h + W*s*(F-1) / p2p
 * restore (restart):  W*s / shm-memcpy + (W-1)*R / p2p + g*B / h2d
 * restore (node loss): restart + rpn*s / p2p
+
+A ``--fabric netns`` run (each node behind its own link of rate L, both directions) is bounded
+by the bytes that must cross one node's link (the links work in parallel), ratios given
+against the nominal rate and against what the fabric delivered in the same run (durable: gloo
+with every node sending to the next at once, per node; node loss: one link alone, the better of
+gloo and ZeroMQ):
+
+* durable:            rpn*s*(F-1) / L     (each node's copies leave over its own link)
+* restore (node loss): rpn*B / L           (the replacement node's ranks receive their whole state)
 """
 
 from __future__ import annotations
@@ -57,6 +66,23 @@ LIMIT_FORMULAS = {
     "restore_restart_s": "W*s/shm_memcpy + (W-1)*R/p2p",
     "restore_node_loss_s": "W*s/shm_memcpy + (W-1)*R/p2p + rpn*s/p2p",
 }
+
+
+LINK_LIMIT_FORMULAS = {
+    "durable_s": "rpn*s*(F-1)/link",
+    "restore_node_loss_s": "rpn*B/link",
+}
+
+
+def link_limit_seconds(
+    metric: str, bytes_per_rank: int, world_size: int, ranks_per_node: int, factor: int, link_bps: float
+) -> Optional[float]:
+    """A node's link's lower bound for ``metric`` (``link_bps``: bits/s), None where none applies."""
+    if metric == "durable_s":
+        return ranks_per_node * expected_saved_bytes(bytes_per_rank, world_size) * (factor - 1) * 8 / link_bps
+    if metric == "restore_node_loss_s":
+        return ranks_per_node * bytes_per_rank * 8 / link_bps
+    return None
 
 
 CUDA_LIMIT_FORMULAS = {
@@ -133,17 +159,31 @@ def comparisons(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
     ours/limit, one row per non-baseline system (``system`` None and ``ours`` None where only
     the baseline ran)."""
     runs = doc["runs"]
-    keys = sorted({(r["world_size"], r["bytes_per_rank"]) for r in runs})
+    keys = sorted({(r.get("link_rate_bps") or 0, r["world_size"], r["bytes_per_rank"]) for r in runs})
     out = []
-    for w, b in keys:
-        here = [r for r in runs if (r["world_size"], r["bytes_per_rank"]) == (w, b)]
+    for rate, w, b in keys:
+        here = [
+            r
+            for r in runs
+            if ((r.get("link_rate_bps") or 0), r["world_size"], r["bytes_per_rank"]) == (rate, w, b)
+        ]
         ref = next((r for r in here if r["system"] == BASELINE), None)
         mine = [r for r in here if r["system"] != BASELINE] or [None]
         any_run = here[0]
+        rpn, factor = any_run["ranks_per_node"], any_run["replication_factor"]
+        link = (doc.get("links") or {}).get(str(rate), {}) if rate else {}
         for metric in METRIC_LABELS:
-            lim = limit_seconds(
-                metric, b, w, any_run["ranks_per_node"], any_run["replication_factor"], doc.get("limits")
-            )
+            if rate:  # --fabric netns: the link bounds it (nominal rate; what it delivered)
+                lim = link_limit_seconds(metric, b, w, rpn, factor, rate)
+                # every node replicates at once (the ring figure), a restore loads one link
+                measured = link.get("ring_bps" if metric == "durable_s" else "link_bps") or link.get(
+                    "link_bps"
+                )
+                got = link_limit_seconds(metric, b, w, rpn, factor, measured * 8) if measured else None
+                formula = LINK_LIMIT_FORMULAS.get(metric)
+            else:
+                lim = limit_seconds(metric, b, w, rpn, factor, doc.get("limits"))
+                got, formula = None, limit_formula(metric, doc.get("limits"))
             bl = _median(ref, metric) if ref is not None else None
             for r in mine:
                 ours = _median(r, metric) if r is not None else None
@@ -157,9 +197,18 @@ def comparisons(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
                         "baseline": bl,
                         "ratio": (ours / bl) if ours is not None and bl else None,
                         "limit": lim,
-                        "limit_formula": limit_formula(metric, doc.get("limits")),
+                        "limit_formula": formula,
                         "ratio_to_limit": (ours / lim) if ours is not None and lim else None,
                         "baseline_ratio_to_limit": (bl / lim) if bl is not None and lim else None,
+                        **(
+                            {
+                                "link_rate_bps": rate,
+                                "measured_limit": got,
+                                "ratio_to_measured_limit": (ours / got) if ours is not None and got else None,
+                            }
+                            if rate
+                            else {}
+                        ),
                     }
                 )
     return out
@@ -211,6 +260,9 @@ def render(doc: Dict[str, Any], con=None) -> None:
     from rich.table import Table
 
     con = con or console()
+    if any(r.get("link_rate_bps") for r in doc["runs"]):
+        _render_links(doc, con)
+        return
     runs = doc["runs"]
     systems = list(dict.fromkeys(r["system"] for r in runs))
     others = [s for s in systems if s != BASELINE]
@@ -265,6 +317,64 @@ def render(doc: Dict[str, Any], con=None) -> None:
                 f"ERROR {r['system']} {format_size(r['bytes_per_rank'])} W={r['world_size']}: {e}",
                 markup=False,
                 highlight=False,
+            )
+
+
+def _render_links(doc: Dict[str, Any], con) -> None:
+    """--fabric netns: one table per world size, rows = metric x size x link rate, columns =
+    systems, ours / baseline, ours / link limit (nominal and as measured)."""
+    from rich.table import Table
+
+    from .fabric import format_rate
+
+    rows = [c for c in doc.get("comparisons") or comparisons(doc) if c["metric"] in TIME_METRICS]
+    for w in sorted({c["world_size"] for c in rows}):
+        t = Table(title=f"W={w} ranks on network namespaces, one link per node (medians over reps)")
+        for col in (
+            "metric",
+            "B/rank",
+            "link",
+            "system",
+            "ours",
+            "baseline",
+            "/ baseline",
+            "link limit",
+            "/ limit",
+            "/ measured",
+        ):
+            t.add_column(col, justify="left" if col in ("metric", "system") else "right")
+        for c in rows:
+            if c["world_size"] != w:
+                continue
+            t.add_row(
+                METRIC_LABELS[c["metric"]],
+                format_size(c["bytes_per_rank"]),
+                format_rate(c["link_rate_bps"]),
+                c["system"] or "-",
+                _fmt(c["metric"], c["ours"]),
+                _fmt(c["metric"], c["baseline"]),
+                _ratio(c["ratio"]),
+                _fmt(c["metric"], c["limit"]) if c["limit"] else "",
+                _ratio(c["ratio_to_limit"]),
+                _ratio(c.get("ratio_to_measured_limit")),
+            )
+        con.print(t)
+    for rate, link in sorted((doc.get("links") or {}).items(), key=lambda kv: int(kv[0])):
+        gib = 1 << 30
+        ring = f", every node at once {link['ring_bps'] / gib:.2f} GiB/s each" if link.get("ring_bps") else ""
+        con.print(
+            f"link {format_rate(int(rate))}: gloo p2p {link['gloo_p2p_bps'] / gib:.2f} GiB/s, ZeroMQ "
+            f"{link['zmq_bps'] / gib:.2f} GiB/s through one link{ring} ({link['describe']})",
+            markup=False,
+            highlight=False,
+        )
+    for s in doc.get("skipped", []):
+        where = f" {format_size(s['bytes_per_rank'])} W={s['world_size']}" if "bytes_per_rank" in s else ""
+        con.print(f"skipped {s['system']}{where}: {s['reason']}", markup=False, highlight=False)
+    for r in doc["runs"]:
+        for e in r["errors"]:
+            con.print(
+                f"ERROR {r['system']} {format_size(r['bytes_per_rank'])}: {e}", markup=False, highlight=False
             )
 
 

@@ -22,6 +22,12 @@ One configuration = (system, bytes per rank B, world size W). Each repetition:
 gloo, so the systems' own CUDA paths (D2H staging, pinned buffers, H2D on restore) are what
 differs from a CPU run. Restores must come back on that device.
 
+``--fabric netns``: every simulated node is a network namespace with its own address, linked
+to a bridge by a veth pair shaped to ``--link-rates`` (:mod:`resilient_ckpt.bench.fabric`); ranks
+and daemons run inside their node, replication and restores cross the shaped links. Each
+configuration then runs once per link rate, and the run also measures what one link delivers
+(:func:`resilient_ckpt.bench.limits.link_limits`).
+
 Figures per repetition are the max over ranks; reported figures are medians over repetitions.
 Peak RSS is ``VmHWM`` from ``/proc/self/status`` (resident pages of the rank process, shared
 and file pages it mapped included), reset through ``/proc/self/clear_refs`` right before the
@@ -47,6 +53,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..errors import ValidationError
+from .fabric import Fabric, LinkShape, format_rate, parse_rate
 
 # RankContext and node_store_root are part of the System interface, so named here too.
 from .launcher import RankContext, launch, mp_context, node_store_root, quiet
@@ -95,6 +102,8 @@ class ClusterSpec:
     tmp_root: str
     session: str
     replication_factor: int
+    #: the network fabric the nodes live on (``--fabric netns``), None on loopback
+    fabric: Optional[Fabric] = None
 
     @property
     def num_nodes(self) -> int:
@@ -493,10 +502,15 @@ class _Config:
     replication_factor: int
     shm_dir: str
     log: Callable[[str], None]
+    #: each node's link (``--fabric netns``); None: loopback
+    link: Optional[LinkShape] = None
 
     @property
     def label(self) -> str:
-        return f"{self.name} {format_size(self.spec.bytes_per_rank)} W={self.world_size}"
+        where = (
+            f" @ {format_rate(self.link.rate_bps)}" if self.link is not None and self.link.rate_bps else ""
+        )
+        return f"{self.name} {format_size(self.spec.bytes_per_rank)} W={self.world_size}{where}"
 
     def session(self, rep: int) -> str:
         return f"bench-{self.name}-{format_size(self.spec.bytes_per_rank)}-w{self.world_size}-r{rep}"
@@ -525,6 +539,7 @@ class _Config:
             timeout=300.0 + 240.0 * gib * self.world_size,
             preload=[self.spec.system.partition(":")[0]],
             hold=True,
+            fabric=cluster.fabric,
         )
 
 
@@ -634,8 +649,17 @@ def _stop_services(services: Optional[NodeServices], rep: int, tally: _Tally) ->
 
 def _run_rep(cfg: _Config, rep: int, reps: int, tally: _Tally) -> bool:
     """One repetition on a fresh temporary cluster; False when it failed (error recorded)."""
-    root = tempfile.mkdtemp(prefix="rckpt-bench-", dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None)
-    cluster = ClusterSpec(cfg.world_size, cfg.ranks_per_node, root, cfg.session(rep), cfg.replication_factor)
+    fabric = None
+    if cfg.link is not None:  # the nodes' stores live in the fabric's scratch directory
+        fabric = Fabric(-(-cfg.world_size // cfg.ranks_per_node), cfg.link)
+        root = str(fabric.root)
+    else:
+        root = tempfile.mkdtemp(
+            prefix="rckpt-bench-", dir=cfg.shm_dir if os.path.isdir(cfg.shm_dir) else None
+        )
+    cluster = ClusterSpec(
+        cfg.world_size, cfg.ranks_per_node, root, cfg.session(rep), cfg.replication_factor, fabric
+    )
     services = None
     try:
         services = _start_cluster(cfg.cls, cluster)
@@ -655,6 +679,8 @@ def _run_rep(cfg: _Config, rep: int, reps: int, tally: _Tally) -> bool:
     finally:
         _stop_services(services, rep, tally)
         shutil.rmtree(root, ignore_errors=True)
+        if fabric is not None:
+            fabric.close()
     return True
 
 
@@ -673,10 +699,11 @@ def run_config(
     warmup_saves: int = 3,
     device: str = "cpu",
     loop_saves: int = 0,
+    link: Optional[LinkShape] = None,
 ) -> Dict[str, Any]:
-    """All repetitions of one (system, size, world size); returns the JSON record."""
+    """All repetitions of one (system, size, world size[, link]); returns the JSON record."""
     spec = RunSpec(spec_str, bytes_per_rank, warmup_saves=warmup_saves, device=device, loop_saves=loop_saves)
-    cfg = _Config(name, spec, cls, world_size, ranks_per_node, replication_factor, shm_dir, log)
+    cfg = _Config(name, spec, cls, world_size, ranks_per_node, replication_factor, shm_dir, log, link)
     tally = _Tally()
     for rep in range(reps):
         if not _run_rep(cfg, rep, reps, tally):
@@ -689,6 +716,7 @@ def run_config(
         "ranks_per_node": ranks_per_node,
         "replication_factor": replication_factor,
         "device": device,
+        "link_rate_bps": None if link is None else link.rate_bps,
         "reps": reps,
         "expected_saved_bytes": expected_saved_bytes(bytes_per_rank, world_size),
         "rss_reset": tally.rss_reset_ok,
@@ -717,6 +745,13 @@ def _ints(text: str) -> List[int]:
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 2,4")
     return vals
+
+
+def _rates(text: str) -> List[int]:
+    try:
+        return [parse_rate(s) for s in text.split(",") if s.strip()]
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -770,6 +805,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG: seconds vs size")
     p.add_argument("--shm-dir", default="/dev/shm", help="where node store roots go (tmpfs)")
     p.add_argument(
+        "--fabric",
+        choices=("loopback", "netns"),
+        default="loopback",
+        help="loopback (default): every node on 127.0.0.1; netns: each node in its own network "
+        "namespace with its own address, linked to a bridge by a veth pair shaped with tc (needs root)",
+    )
+    p.add_argument(
+        "--link-rates",
+        type=_rates,
+        help="with --fabric netns: each node's link speed, one set of runs per rate, e.g. 1G,10G,25G "
+        "(bits/s; default: unshaped)",
+    )
+    p.add_argument(
         "--device",
         choices=DEVICES,
         default="cpu",
@@ -778,6 +826,34 @@ def build_parser() -> argparse.ArgumentParser:
         "the limits add device<->pinned-host copy bandwidths",
     )
     return p
+
+
+def _fabric_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--fabric netns`` cannot run here (None when it can, or is not asked for)."""
+    if args.fabric != "netns":
+        return None
+    from .fabric import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        return f"--fabric netns: {reason}"
+    if args.plot:
+        return "--plot draws loopback runs; with --fabric netns read the tables or --json"
+    return None
+
+
+def _measure_links(plan: "_Plan", args: argparse.Namespace, log: Callable[[str], None], results) -> None:
+    """--fabric netns: what one link, and every link at once, delivers at each rate."""
+    from .limits import link_limits
+
+    nodes = max(2, *(-(-w // (args.ranks_per_node or default_ranks_per_node(w))) for w in plan.world_sizes))
+    for link in plan.links:
+        if link is None:
+            continue
+        with Fabric(nodes, link) as fab:
+            measured = link_limits(fab, (256 << 20) if args.quick else (1 << 30))
+        results.links[str(link.rate_bps)] = measured
+        log(f"link: {measured['describe']}")
 
 
 def device_problem(device: str) -> Optional[str]:
@@ -840,6 +916,8 @@ class _Plan:
     sizes: List[int]
     world_sizes: List[int]
     reps: int
+    #: one entry per link rate (--fabric netns), or [None]: loopback
+    links: List[Optional[LinkShape]] = field(default_factory=lambda: [None])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "_Plan":
@@ -848,7 +926,12 @@ class _Plan:
         reps = args.reps if args.reps is not None else (1 if args.quick else 3)
         if reps < 1 or args.replication_factor < 1:
             raise ValidationError("--reps and --replication-factor must be at least 1")
-        return cls(sizes, world_sizes, reps)
+        links: List[Optional[LinkShape]] = [None]
+        if args.fabric == "netns":
+            links = [LinkShape(rate_bps=r) for r in (args.link_rates or [None])]
+        elif args.link_rates:
+            raise ValidationError("--link-rates shapes the links of --fabric netns; add --fabric netns")
+        return cls(sizes, world_sizes, reps, links)
 
 
 @dataclass
@@ -858,6 +941,8 @@ class _Results:
     runs: List[Dict[str, Any]] = field(default_factory=list)
     skipped: List[Dict[str, Any]] = field(default_factory=list)
     patched: List[str] = field(default_factory=list)
+    #: --fabric netns: what one link delivers at each rate (limits.link_limits), by rate
+    links: Dict[str, Any] = field(default_factory=dict)
 
 
 def _load_systems(names: str, log: Callable[[str], None], results: _Results) -> List[Tuple[str, str, type]]:
@@ -903,9 +988,10 @@ def _run_all(
     log: Callable[[str], None],
     results: _Results,
     after_each: Callable[[], None] = lambda: None,
+    link: Optional[LinkShape] = None,
 ) -> None:
     """Every configuration: world sizes, then sizes, then systems; ``after_each`` runs after
-    each configuration that ran."""
+    each configuration that ran. ``link``: the nodes' links (--fabric netns)."""
     for w in plan.world_sizes:
         rpn = args.ranks_per_node or default_ranks_per_node(w)
         for b in plan.sizes:
@@ -933,6 +1019,7 @@ def _run_all(
                         warmup_saves=args.warmup_saves,
                         device=args.device,
                         loop_saves=args.loop_saves,
+                        link=link,
                     )
                 )
                 after_each()
@@ -969,12 +1056,14 @@ def _document(
             "timed_iteration": ITERATION,
             "device": args.device,
             "loop_saves": args.loop_saves,
+            "fabric": args.fabric,
         },
         "rss_method": RSS_METHOD,
         "patched_for_cpu": results.patched if args.device == "cpu" else [],
         # what the systems changed in the libraries they run, for this device
         "patched": results.patched,
         "limits": limits.to_dict() if limits else None,
+        "links": results.links,
         "skipped": results.skipped,
         "runs": results.runs,
     }
@@ -989,7 +1078,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     extras.require("bench")
     plan = _Plan.from_args(args)
-    problem = device_problem(args.device)
+    problem = device_problem(args.device) or _fabric_problem(args)
     if problem is not None:
         parser.error(problem)  # usage and the reason on stderr, exit status 2, nothing started
     from . import report
@@ -1013,6 +1102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log("measuring the machine's limits" + (" (quick)" if args.quick else ""))
         limits = measure_limits(quick=args.quick, device=args.device)
         log(report.format_limits(limits.to_dict()))
+        _measure_links(plan, args, log, results)
 
     def write_partial() -> None:
         # an interrupted run (a time limit, a crash) keeps the configurations that finished
@@ -1022,7 +1112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             doc["partial"] = True
             report.write_json(doc, args.json)
 
-    _run_all(args, plan, systems, log, results, after_each=write_partial)
+    for link in plan.links:
+        _run_all(args, plan, systems, log, results, after_each=write_partial, link=link)
     doc = _document(args, plan, systems, limits, results, t_start, load_before)
     doc["comparisons"] = report.comparisons(doc)
     report.render(doc, console)

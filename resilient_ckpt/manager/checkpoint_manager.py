@@ -28,7 +28,7 @@ import os
 import re
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -41,13 +41,12 @@ from ..memory.staging import SegmentPrefetcher, Stager
 from ..memory.store import DEFAULT_ROOT, CheckpointStore, validate_session_id
 from ..parallel import collectives
 from ..replication.parity import ParityGroup, parity_groups
-from ..replication.parity_peer import ParityReplicator
-from ..replication.peer import PeerReplicator
 from ..replication.placement import Placement, clique_placement, ring_placement
 from ..replication.replicator import Replicator
-from ..replication.transport import P2PTransport, new_checkpoint_group
+from ..replication.transport import P2PTransport
 from .async_request import LocalAsyncRequest, SaveDoneSignal, request_for
 from .elastic import ElasticLoad
+from .groups import GroupRenewal, SaveWorker
 from .healing import Healing
 from .loading import LoadPath
 from .metrics import HealMetrics, LoadMetrics, SaveHandle, SaveMetrics
@@ -79,7 +78,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class CheckpointManager(SavePath, LoadPath, ElasticLoad, Healing):
+class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
     """In-memory local checkpoints with peer replication (embedded mode).
 
     Options come as groups — ``replication=ReplicationOptions(...)``,
@@ -310,7 +309,12 @@ class CheckpointManager(SavePath, LoadPath, ElasticLoad, Healing):
         # Pinned ahead only once a save staged GPU tensors (a CPU-only job on a GPU host never
         # page-locks its segments).
         self._prefetcher = SegmentPrefetcher(self.store, pin=False)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-save")
+        self._worker = SaveWorker()
+        #: group renewal after failures (manager.groups): this thread's call depth, whether this
+        #: rank's last call raised, the agreed count of failed saves the groups were renewed for
+        self._calls = threading.local()
+        self._renew_at_next_call = False
+        self._renewed_after_failures = 0
         self._group: Optional[dist.ProcessGroup] = None
         self._control: Optional[dist.ProcessGroup] = None
         self._par_group: Optional[dist.ProcessGroup] = None
@@ -359,20 +363,9 @@ class CheckpointManager(SavePath, LoadPath, ElasticLoad, Healing):
         saves/loads together)."""
         self._persistent_tier()
         if self._group is None and dist.is_initialized() and self.world_size > 1:
-            self._group = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
-            # Collectives of the calling thread (votes, holdings, distribution, restore) run on a
-            # group of their own: the save thread may be in the middle of the previous save's
-            # exchange on the data group, and two threads must never interleave on one group.
-            self._control = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
-            self._par_group = self._mirror_parallelization_group()
+            self._make_groups()  # manager.groups: also what renews them after a failure
             self._check_shared_stores()
-            self._transport = P2PTransport(self._group, timeout=self.timeout_s)
-            if self._replicator is None and self.parity_groups:
-                self._replicator = ParityReplicator(
-                    self._transport, self.parity_groups, self.store, self.rank, fault=self._fault
-                )
-            elif self._replicator is None:
-                self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)
+            self._make_replicator()
         return self._group
 
     def _control_group(self):

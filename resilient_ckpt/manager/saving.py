@@ -515,7 +515,7 @@ class SavePath:
             self._discard_failed(job.iteration, outcome.received)
             raise CheckpointingException(
                 f"local checkpoint of iteration {job.iteration} is not complete on every rank "
-                f"(this rank: {'ok' if outcome.ok else repr(outcome.error)}); the previous complete "
+                f"(this rank: {_own_part(outcome)}); the previous complete "
                 f"iteration {self._complete[-1] if self._complete else 'none'} stays loadable"
             ) from outcome.error
         self._complete_save(job)
@@ -732,6 +732,14 @@ class SavePath:
                 pass
         with self._lock:
             self._in_flight.clear()
+
+
+def _own_part(out: "_Outcome") -> str:
+    """This rank's side of a failed save, for its error: its own failure, or — its part went
+    well — why the agreement failed (a peer unreachable: the vote timed out) if it raised."""
+    if not out.ok:
+        return repr(out.error)
+    return "ok" if out.error is None else f"ok, but the agreement with the other ranks failed: {out.error!r}"
 
 
 def _plain_parts(state_dict: Any) -> Optional[SnapshotParts]:

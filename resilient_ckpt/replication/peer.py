@@ -110,6 +110,13 @@ class PeerReplicator:
             finally:
                 landing.close()
             received = landing.publish()
+        except ReplicationError as e:
+            landing.undo()
+            peers = getattr(e, "peers", ())
+            if not peers:
+                raise
+            nodes = ", ".join(f"rank {r} on node {self.placement.node_of(r)}" for r in peers)
+            raise ReplicationError(f"{e} [unreachable or failed: {nodes}]") from e
         except BaseException:
             landing.undo()
             raise

@@ -194,6 +194,28 @@ def _print_in_flight(con: Console, st: Mapping[str, Any]) -> None:
             f"  receiving {t_.get('session')} iteration {t_.get('iteration')} owner {t_.get('owner')} from "
             f"{t_.get('peer')}: {human_bytes(int(t_.get('received') or 0))} of {human_bytes(int(t_.get('total_bytes') or 0))}"
         )
+    _print_failures(con, st.get("recent_failures") or [])
+
+
+def _print_failures(con: Console, failures: List[Dict[str, Any]]) -> None:
+    """The newest pushes that did not deliver: to which node, what, when, why."""
+    if not failures:
+        return
+    t = Table(title="replications not delivered (newest last)", title_justify="left", show_edge=False)
+    for col in ("at", "to node", "session", "iteration", "owner", "outcome", "reason"):
+        t.add_column(col, no_wrap=col != "reason", overflow="fold")
+    for f in failures[-10:]:
+        outcome = f.get("outcome") or "failed"
+        t.add_row(
+            str(f.get("at")),
+            str(f.get("node")),
+            str(f.get("session")),
+            str(f.get("iteration")),
+            str(f.get("owner")),
+            "[red]failed[/red]" if outcome == "failed" else outcome,
+            str(f.get("reason") or ""),
+        )
+    con.print(t)
 
 
 def _recovery_line(rec: Mapping[str, Any]) -> str:

@@ -398,6 +398,9 @@ class Requests:
             "peers": self._peer_report(),
             "replicating": in_flight[:1000],
             "replications_failed": failed,
+            # which holder node did not get which checkpoint, when, and whether the push gave up
+            # (failed: unreachable after its retries) or had nothing left to deliver (abandoned)
+            "recent_failures": list(self.table.recent_failures),
             "inbound": (self.receiver.describe() + ctx.ledger.pulls_in())[:1000],
             "serving": self.streams.describe()[:1000],
             "pulling": [{"session": k[0], "iteration": k[1], "owner": k[2]} for k in self.puller.tasks][

@@ -7,6 +7,7 @@ replica still lands.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -33,6 +34,7 @@ from ..wire import (
     PeerTimeout,
     ProtocolError,
     chunk_checksum,
+    format_time_ns,
     recv,
 )
 from .config import DaemonConfig, logger
@@ -116,6 +118,8 @@ def holder_nodes(header: CheckpointHeader) -> Tuple[int, ...]:
 
 #: Records kept at most; the oldest finished ones go first.
 MAX_RECORDS = 10000
+#: Failed and abandoned pushes STATUS lists (the newest; older ones stay in the log).
+RECENT_FAILURES = 32
 
 
 class ReplicationTable:
@@ -129,6 +133,8 @@ class ReplicationTable:
         self._records: Dict[Key, Replication] = {}
         self._pushers: Dict[int, PeerPusher] = {}
         self._on_finished = on_finished
+        #: the newest pushes that did not deliver: which node, which checkpoint, when, why
+        self.recent_failures: "collections.deque[Dict[str, Any]]" = collections.deque(maxlen=RECENT_FAILURES)
 
     def start(
         self, key: Key, digest: bytes, header: CheckpointHeader, holders: Tuple[int, ...], committer: str
@@ -192,29 +198,53 @@ class ReplicationTable:
         return p
 
     def push_done(
-        self, rec: Replication, node: int, generation: int, ok: bool, error: str, nbytes: int, seconds: float
+        self,
+        rec: Replication,
+        node: int,
+        generation: int,
+        ok: bool,
+        error: str,
+        nbytes: int,
+        seconds: float,
+        abandoned: bool = False,
     ) -> None:
-        """A pusher is done with one holder node (either way)."""
+        """A pusher is done with one holder node: delivered (``ok``), given up on after its
+        retries (failed: the node unreachable or refusing), or ``abandoned`` (the checkpoint was
+        removed, re-saved or dropped meanwhile: the trainers' save failed, nothing to deliver)."""
         ctx = self.ctx
+        outcome = "ok" if ok else "abandoned" if abandoned else "failed"
         with self._lock:
             if rec.generation != generation or rec.nodes.get(node) != "pending":
                 return
             rec.nodes[node] = "ok" if ok else "failed"
             if not ok:
                 rec.errors[node] = error
+                self.recent_failures.append(
+                    {
+                        "node": node,
+                        "session": rec.key[0],
+                        "iteration": rec.key[1],
+                        "owner": rec.key[2],
+                        "outcome": outcome,
+                        "reason": error[:500],
+                        "at": format_time_ns(time.time_ns()),
+                    }
+                )
             rec.bytes_out += nbytes
             finished = rec.state() != "replicating"
             if finished:
                 rec.finished = time.monotonic()
-            ctx.ledger.count(**{"replications_ok" if ok else "replications_failed": 1, "bytes_out": nbytes})
-        ctx.metrics.replications.labels("ok" if ok else "failed").inc()
+            ctx.ledger.count(**{f"replications_{outcome}": 1, "bytes_out": nbytes})
+        ctx.metrics.replications.labels(outcome).inc()
         ctx.metrics.bytes.labels("out").inc(nbytes)
         if ok:
             ctx.metrics.seconds.observe(seconds)
         session, it, owner = rec.key
         ctx.event(
-            logging.INFO if ok else logging.WARNING,
-            "replicated" if ok else "replication_failed",
+            logging.INFO if ok or abandoned else logging.WARNING,
+            {"ok": "replicated", "abandoned": "replication_abandoned", "failed": "replication_failed"}[
+                outcome
+            ],
             peer=f"node-{node}",
             session=session,
             iteration=it,
@@ -289,16 +319,22 @@ class ReplicationTable:
 
 
 class PushFailed(Exception):
-    def __init__(self, text: str, retryable: bool = True, code: Optional[ErrorCode] = None):
+    """One attempt failed. ``abandoned``: there is nothing to deliver any more (the checkpoint
+    was removed, re-published or dropped); never retried."""
+
+    def __init__(
+        self, text: str, retryable: bool = True, code: Optional[ErrorCode] = None, abandoned: bool = False
+    ):
         super().__init__(text)
-        self.retryable = retryable
+        self.retryable = retryable and not abandoned
         self.code = code
+        self.abandoned = abandoned
 
 
 #: ERROR codes after which pushing the same bytes again cannot succeed.
 _FINAL_CODES = (ErrorCode.STORE_FULL, ErrorCode.LIMIT_EXCEEDED, ErrorCode.WRONG_SESSION, ErrorCode.MALFORMED)
 
-PushDone = Callable[[Replication, int, int, bool, str, int, float], None]
+PushDone = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -379,27 +415,29 @@ class PeerPusher:
         t0 = time.monotonic()
         self.ctx.ledger.hold(rec.key)  # until the record says how it went: not retired meanwhile
         try:
-            ok, error, nbytes = self._attempts(rec, generation)
-            self._done(rec, self.node, generation, ok, error, nbytes, time.monotonic() - t0)
+            ok, error, nbytes, abandoned = self._attempts(rec, generation)
+            self._done(rec, self.node, generation, ok, error, nbytes, time.monotonic() - t0, abandoned)
         except Exception as e:  # a bug: report it on the record instead of killing the thread
             logger.exception("pusher to node %d failed", self.node)
             self._done(rec, self.node, generation, False, f"internal error: {e}", 0, time.monotonic() - t0)
         finally:
             self.ctx.ledger.release(rec.key)
 
-    def _attempts(self, rec: Replication, generation: int) -> Tuple[bool, str, int]:
-        """Push with retries: (ok, error, bytes sent)."""
+    def _attempts(self, rec: Replication, generation: int) -> Tuple[bool, str, int, bool]:
+        """Push with retries: (ok, error, bytes sent, abandoned)."""
         retries = self.ctx.config.retries
         error = ""
         for attempt in range(retries + 1):
             if rec.cancelled or rec.generation != generation or self.ctx.stopping.is_set():
                 error = "cancelled (dropped or superseded)"
-                break
+                return False, error, 0, not self.ctx.stopping.is_set()
             try:
-                return True, "", self._transfer(rec)
+                return True, "", self._transfer(rec), False
             except PushFailed as e:
                 error = str(e)
                 self._disconnect()
+                if e.abandoned:
+                    return False, error, 0, True
                 if not e.retryable:
                     break
             except (ProtocolError, CheckpointingException, OSError) as e:
@@ -418,7 +456,7 @@ class PeerPusher:
                 )
                 if self._stop.wait(min(2.0, 0.2 * 2**attempt)):
                     break
-        return False, error or "stopped", 0
+        return False, error or "stopped", 0, False
 
     # -- connection --------------------------------------------------------------------------
 
@@ -476,11 +514,26 @@ class PeerPusher:
         raw = stores.raw_header(store, cid) if store is not None else None
         if raw is None:
             raise PushFailed(
-                f"{cid.stem()} was removed from this node's store before it was replicated", retryable=False
+                f"{cid.stem()} was removed from this node's store before it was replicated (its save "
+                "failed on the trainers, or it was dropped)",
+                abandoned=True,
             )
         if header_digest(raw) != rec.digest:
-            raise PushFailed(f"{cid.stem()} was re-published since the COMMIT", retryable=False)
+            raise PushFailed(f"{cid.stem()} was re-published since the COMMIT", abandoned=True)
         return store, raw
+
+    def _check_still_published(self, rec: Replication, store: Any) -> None:
+        """Between chunks: the trainers discard a save that failed on any rank; its push stops
+        there instead of delivering a replica of an iteration that is not complete."""
+        session, it, owner = rec.key
+        if rec.cancelled:
+            raise PushFailed("cancelled (dropped or superseded)", abandoned=True)
+        if not store.header_path(CheckpointId(it, owner, session)).exists():
+            raise PushFailed(
+                f"{CheckpointId(it, owner, session).stem()} was removed from this node's store while "
+                "it was being replicated (its save failed on the trainers, or it was dropped)",
+                abandoned=True,
+            )
 
     def _transfer(self, rec: Replication) -> int:
         """One attempt: BEGIN, the chunks as credit allows, END. Returns the bytes sent (0 if
@@ -496,7 +549,11 @@ class PeerPusher:
             CreditWindow(plan.window_bytes, peer=self.label),
             self.ctx.config.peer_timeout_s,
         )
-        mapping = ReadOnlyMap(store.data_path(CheckpointId(it, owner, session)), plan.total)
+        try:
+            mapping = ReadOnlyMap(store.data_path(CheckpointId(it, owner, session)), plan.total)
+        except FileNotFoundError:  # removed between the header check and here
+            self._check_still_published(rec, store)
+            raise
         try:
             self._out(
                 a,
@@ -512,9 +569,10 @@ class PeerPusher:
                 },
                 (raw,),
             )
-            sent = self._send_chunks(rec, a, plan, mapping)
+            sent = self._send_chunks(rec, a, plan, mapping, store)
             if a.already:
                 return 0
+            self._check_still_published(rec, store)
             self._out(
                 a,
                 MessageType.REPLICATE_END,
@@ -532,14 +590,16 @@ class PeerPusher:
         finally:
             mapping.close()
 
-    def _send_chunks(self, rec: Replication, a: _Attempt, plan: PushPlan, mapping: ReadOnlyMap) -> int:
+    def _send_chunks(
+        self, rec: Replication, a: _Attempt, plan: PushPlan, mapping: ReadOnlyMap, store: Any
+    ) -> int:
         """Every chunk, each once its bytes of credit are free; stops early if the receiver
-        turns out to hold the checkpoint already. Returns the bytes sent."""
+        turns out to hold the checkpoint already, or once the checkpoint is no longer published
+        (abandoned). Returns the bytes sent."""
         hold = self.ctx.config.faults.get("hold_outbound_after_chunks")
         sent = 0
         for i in range(plan.num_chunks):
-            if rec.cancelled:
-                raise PushFailed("cancelled (dropped or superseded)", retryable=False)
+            self._check_still_published(rec, store)
             if hold is not None and i >= hold:
                 self._hold_until_cancelled(rec)
             off, size = plan.span(i)
