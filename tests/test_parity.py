@@ -368,7 +368,7 @@ def _save_replicas(ctx, keep_last, spare):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("keep_last, spare, pooled", [(1, None, 0), (1, True, 1), (2, None, 2)])
+@pytest.mark.parametrize("keep_last, spare, pooled", [(1, None, 0), (1, True, 2), (2, None, 2)])
 def test_store_bytes_and_what_retention_keeps(tmp_root, keep_last, spare, pooled):
     reported = run_ranks(_save_replicas, 2, tmp_root, ranks_per_node=1, args=(keep_last, spare), timeout=120)
     for node in range(2):
@@ -376,8 +376,9 @@ def test_store_bytes_and_what_retention_keeps(tmp_root, keep_last, spare, pooled
         data = sorted(d.glob("iter_*.data"))
         pool = sorted((d / "free").glob("*.data"))
         assert len(data) == 2 * keep_last, "own + one replica per kept iteration"
-        # keep_last=1: nothing pooled (the reference's footprint), or only the node's own segment
-        # as the next save's spare; keep_last=2 pools both retired segments
+        # keep_last=1 without a spare: nothing pooled (the reference's footprint); with one, the
+        # node's own retired segment as the next save's spare and the retired replica for the
+        # next one to land in; keep_last=2 pools both retired segments
         assert len(pool) == pooled
         on_disk = sum(
             p.stat().st_blocks * 512 for p in [*d.iterdir(), *(d / "free").iterdir()] if p.is_file()

@@ -97,13 +97,16 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         replication_jump: rank distance between copies (default: ranks per node, from
             ``LOCAL_WORLD_SIZE``) so copies land on other nodes.
         keep_last: complete iterations kept in memory (default 1: the newest complete
-            iteration, the retention nvidia-resiliency-ext has; retired replicas are released,
-            not pooled). More keep older iterations restorable, at one more copy each.
+            iteration, the retention nvidia-resiliency-ext has). More keep older iterations
+            restorable, at one more copy each.
         spare_segment: keep the next save's segment allocated, populated and — GPU state —
             page-locked between saves (default on), so the save copies at memory speed (GPU:
             device-to-host at the link's rate) instead of into fresh pages (measured: 14 ms vs
             72 ms per 162 MiB on 2 vCPUs), at the cost of one more copy of the rank's own
-            bytes in the store (nvidia-resiliency-ext holds as much in its host copy).
+            bytes in the store (nvidia-resiliency-ext holds as much in its host copy); with
+            ``keep_last=1`` retired replicas are pooled for the next ones to land in populated
+            pages (the store's peak, reached while a save completes, is unchanged). ``False``:
+            the least memory between saves, everything retired is freed.
         device_snapshot: GPU state saved when no page-locked segment is ready (the first save
             after a start, a new size): ``"auto"`` (default) copies it within the GPU first
             when the GPU has room, so the save's stall ends there and the way down to the store
