@@ -26,7 +26,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import torch
 
 from ..errors import CorruptCheckpointError, ValidationError
+from ..memory.checksum import digest
 from ..memory.layout import CheckpointHeader, CheckpointId
+from ..memory.reader import map_readonly
 from ..memory.store import CheckpointStore
 from ..memory.transfer import Read, read_into
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
@@ -329,9 +331,10 @@ def _parse_headers(gathered, iteration: int, n: int, session: str, allow_pickle:
 
 class _Sources:
     """Saved tensors this rank reads from its node's store, moved through ``memory/transfer``
-    (verified on the way, no segment mapped): a local piece that is a whole saved tensor and a
-    whole template tensor goes straight into the template; every other saved tensor a piece
-    needs is read once into its own memory."""
+    (verified on the way): a local piece that is a whole saved tensor and a contiguous part of a
+    template tensor (a tensor-parallel shard joined along its first axis, a data-parallel
+    resize) is read straight into the template; a saved tensor needed only in parts, or by
+    other ranks, is viewed through a read-only mapping of its segment (:meth:`_map_partial`)."""
 
     def __init__(self, store: CheckpointStore, iteration: int, session: str, parsed, me: int):
         self.me = me
@@ -347,26 +350,30 @@ class _Sources:
     ) -> None:
         """Read every saved tensor the pieces this rank serves need (one pass per saved rank)."""
         by_owner: Dict[int, List[Read]] = {}
+        partial: Dict[int, List[int]] = {}
         for p in pieces:
             key = (p.owner, p.index)
             if key in self._read:
                 continue
             lay = self.parsed[p.owner].header.tensors[p.index]
             shard = self.parsed[p.owner].shards[p.index]
-            dst = targets[p.slot] if p.dst == self.me else None
+            region = _region(targets, template.shards, p) if p.dst == self.me and p.box == shard.box else None
             whole = (
-                dst is not None
-                and p.box == shard.box
-                and p.box == box_of(template.shards[p.slot])
-                and dst.is_contiguous()
-                and dst.dtype == lay.torch_dtype
-                and dst.numel() * dst.element_size() == lay.nbytes
+                region is not None
+                and region.is_contiguous()
+                and region.dtype == lay.torch_dtype
+                and region.numel() * region.element_size() == lay.nbytes
             )
-            buf = dst.view(lay.shape) if whole else torch.empty(lay.shape, dtype=lay.torch_dtype)
-            if whole:
-                self.placed.add((p.owner, p.index, p.slot))
+            if not whole:
+                partial.setdefault(p.owner, []).append(p.index)
+                self._read[key] = None  # set once mapped and verified
+                continue
+            buf = region.view(lay.shape)
+            self.placed.add((p.owner, p.index, p.slot))
             self._read[key] = buf
             by_owner.setdefault(p.owner, []).append(Read(lay.offset, lay.nbytes, lay.checksum, buf, p.index))
+        for owner, indices in partial.items():
+            self._map_partial(owner, indices, bad)
         for owner, reads in by_owner.items():
             path = self.store.data_path(CheckpointId(self.iteration, owner, self.session))
             try:
@@ -380,6 +387,26 @@ class _Sources:
                 self._read[(owner, index)] = None
                 self.placed = {x for x in self.placed if x[:2] != (owner, index)}
                 bad.append([owner, index, self.me])
+
+    def _map_partial(self, owner: int, indices: List[int], bad) -> None:
+        """Saved tensors of ``owner`` that pieces need only parts of (or that go to other ranks):
+        viewed through a read-only mapping of its segment, each verified in place once, its
+        pieces copied from there (mapping page-cache pages costs less than faulting in private
+        memory to read them into, then copying again)."""
+        header = self.parsed[owner].header
+        path = self.store.data_path(CheckpointId(self.iteration, owner, self.session))
+        try:
+            _, flat = map_readonly(path, header.data_nbytes)
+        except OSError as e:
+            logger.warning("cannot read saved rank %d's tensors: %s", owner, e)
+            flat = None
+        for index in indices:
+            lay = header.tensors[index]
+            raw = flat[lay.offset : lay.offset + lay.nbytes] if flat is not None else None
+            if raw is None or (lay.checksum is not None and digest(raw.numpy()) != lay.checksum):
+                bad.append([owner, index, self.me])
+                continue
+            self._read[(owner, index)] = raw.view(lay.torch_dtype).view(lay.shape)
 
     def piece(self, p: Piece) -> Optional[torch.Tensor]:
         """A view of the saved tensor's part ``p.box`` (None when it failed its checksum)."""
@@ -397,11 +424,16 @@ def _target(st: ShardedTensor) -> torch.Tensor:
     return st.data
 
 
+def _region(targets: List[torch.Tensor], shards: Sequence[ShardedTensor], p: Piece) -> torch.Tensor:
+    """The part of template tensor ``p.slot`` that piece ``p`` fills."""
+    st = shards[p.slot]
+    return targets[p.slot][local_slices(p.box, box_of(st), st.prepend_axis_num)]
+
+
 def _place(
     targets: List[torch.Tensor], shards: Sequence[ShardedTensor], p: Piece, piece: torch.Tensor
 ) -> None:
-    st = shards[p.slot]
-    dst = targets[p.slot][local_slices(p.box, box_of(st), st.prepend_axis_num)]
+    dst = _region(targets, shards, p)
     dst.copy_(piece.reshape(dst.shape))
 
 

@@ -111,6 +111,35 @@ class PinnedRing:
             self._cv.notify()
 
 
+_MOVERS: Optional[ThreadPoolExecutor] = None
+_MOVERS_SIZE = 0
+_MOVERS_LOCK = threading.Lock()
+
+
+def _movers(threads: int) -> ThreadPoolExecutor:
+    """The process's reader threads, kept between calls: a restore reads the node's copy and
+    then a replica's shards, and starting threads on busy cores cost ~2 ms each (measured:
+    10 ms of a 100 ms restore at 256 MiB on 2 vCPUs)."""
+    global _MOVERS, _MOVERS_SIZE
+    with _MOVERS_LOCK:
+        if _MOVERS is None or _MOVERS_SIZE < threads:
+            old, _MOVERS, _MOVERS_SIZE = _MOVERS, None, threads
+            if old is not None:
+                old.shutdown(wait=False)  # its running reads finish; new ones go to the larger pool
+            _MOVERS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resilient_ckpt-read")
+        return _MOVERS
+
+
+def _forget_movers() -> None:
+    # A forked child has none of the parent's threads: a pool inherited with dead workers
+    # would queue reads forever.
+    global _MOVERS, _MOVERS_SIZE, _MOVERS_LOCK
+    _MOVERS, _MOVERS_SIZE, _MOVERS_LOCK = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_movers)
+
+
 def read_into(path: str, reads: Sequence[Read], threads: int = DEFAULT_THREADS) -> Moved:
     """Move every read's bytes from the file at ``path`` into its target, verified on the way
     (see the module docstring). CUDA copies are queued on a side stream of the targets'
@@ -141,10 +170,7 @@ def read_into(path: str, reads: Sequence[Read], threads: int = DEFAULT_THREADS) 
             for r in order:
                 move(r)
         else:
-            with ThreadPoolExecutor(
-                max_workers=min(threads, len(order)), thread_name_prefix="resilient_ckpt-read"
-            ) as pool:
-                list(pool.map(move, order))
+            list(_movers(threads).map(move, order))
     finally:
         os.close(fd)
     event = None
