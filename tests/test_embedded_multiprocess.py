@@ -541,3 +541,23 @@ def test_nvrx_style_save_find_latest_and_load_across_a_restart(tmp_root):
     assert run_ranks(_nvrx_save, 2, tmp_root, ranks_per_node=1, **RUN) == ["LocalAsyncRequest"] * 2
     out = run_ranks(_nvrx_load, 2, tmp_root, ranks_per_node=1, **RUN)
     assert out == [(20, (20, r, SESSION), True) for r in range(2)]
+
+
+def _managers_one_after_another(ctx, n: int):
+    threads = []
+    for i in range(n):
+        m = CheckpointManager("one-after-another", store_root=ctx.store_root, ranks_per_node=1, timeout_s=30)
+        m.save_local(_sd(ctx.rank, ctx.world_size, i + 1), i + 1).wait()
+        m.close()
+        threads.append(len(os.listdir("/proc/self/task")))  # native threads too (gloo's)
+    dist.barrier()  # the job's own group still works after every manager's groups are gone
+    return threads
+
+
+@pytest.mark.multiprocess
+def test_managers_made_one_after_another_release_their_groups_threads_on_close(tmp_root):
+    # Each manager's groups hold gloo connections and threads; close() destroys them, so a job
+    # (or a test suite) making many managers does not run out of threads.
+    n = 12
+    for threads in run_ranks(_managers_one_after_another, 2, tmp_root, ranks_per_node=1, args=(n,), timeout=120):
+        assert threads[-1] <= threads[1] + 2, f"threads after each manager closed: {threads}"

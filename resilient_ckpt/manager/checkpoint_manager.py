@@ -456,7 +456,8 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish queued saves and release threads and the spare segment (store files stay)."""
+        """Finish queued saves and release threads, process groups and the spare segment
+        (store files stay)."""
         self.wait_for_saves()
         if self._tier is not None:
             self._tier.close()
@@ -466,6 +467,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         self._stager.shutdown()
         self._prefetcher.close()
         self._close_own_segments()
+        self._release_groups()
 
     def __enter__(self) -> "CheckpointManager":
         return self

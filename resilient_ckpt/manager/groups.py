@@ -36,8 +36,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
-import torch.distributed as dist
-
 from ..errors import (
     CollectiveTimeoutError,
     NoReplicaError,
@@ -47,7 +45,7 @@ from ..errors import (
 from ..parallel import collectives
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
-from ..replication.transport import P2PTransport, new_checkpoint_group
+from ..replication.transport import P2PTransport, new_checkpoint_group, release_checkpoint_group
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +134,26 @@ class GroupRenewal:
         if failed > self._renewed_after_failures:
             self._renew_groups(f"{failed - self._renewed_after_failures} save(s) failed on every rank")
 
+    def _own_groups(self) -> list:
+        """The groups this manager made (each once: the parallel group may be the control)."""
+        return list(
+            {id(g): g for g in (self._group, self._control, self._par_group) if g is not None}.values()
+        )
+
+    def _release_groups(self) -> None:
+        """On close: destroy the manager's groups (their threads and connections go with them)."""
+        for g in self._own_groups():
+            release_checkpoint_group(g)
+        self._group = self._control = self._par_group = None
+
     def _renew_groups(self, why: str) -> None:
         """Drain the save thread, replace every group, agree on the failures now counted."""
         self.wait_for_saves()
-        old = [g for g in {id(g): g for g in (self._group, self._control, self._par_group)}.values()]
+        old = self._own_groups()
         self._make_groups()
         self._make_replicator()
         for g in old:
-            _destroy(g)
+            release_checkpoint_group(g)
         self._renewed_after_failures = self._worker.failed_jobs  # drained: the same on every rank
         if self.rank == 0:
             logger.warning("checkpoint process groups renewed (%s)", why)
@@ -197,13 +207,3 @@ def broke_connections(error: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
-
-
-def _destroy(group) -> None:
-    """Release a replaced group (best effort: a broken one may refuse)."""
-    if group is None or group is dist.GroupMember.WORLD:
-        return
-    try:
-        dist.destroy_process_group(group)
-    except Exception as e:
-        logger.debug("replaced checkpoint group not destroyed cleanly: %s", e)

@@ -70,7 +70,7 @@ from ..parallel.template import preprocess as preprocess_template
 
 # The template preprocessing the memory tier's load uses (private there until parallel/ exports it).
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
-from ..replication.transport import new_checkpoint_group
+from ..replication.transport import new_checkpoint_group, release_checkpoint_group
 from .interface import DurableCheckpoint, FlushHandle, FlushResult, LoadReport
 from .layout import (
     BACKEND,
@@ -204,6 +204,7 @@ class PersistentTier:
         if self._distributed and group is None:
             group = new_checkpoint_group(backend="gloo", timeout_s=timeout_s)
         self._group = group if self._distributed else None
+        self._own_group = self._distributed and group is None  # made here: destroyed by close()
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self._group_rank = collectives.group_rank(self._group) if self._group is not None else 0
@@ -726,6 +727,8 @@ class PersistentTier:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        if self._own_group:
+            release_checkpoint_group(self._group)
         ours = getattr(self, "_sigterm_handler", None)
         if ours is not None and threading.current_thread() is threading.main_thread():
             with contextlib.suppress(Exception):

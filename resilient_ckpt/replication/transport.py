@@ -29,6 +29,7 @@ group's state is undefined: create a new one with :func:`new_checkpoint_group`.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointingException, ReplicationError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Incoming",
@@ -124,6 +127,18 @@ def new_checkpoint_group(backend: Optional[str] = None, timeout_s: float = 120) 
         # point-to-point batches may then involve any subset.
         dist.all_reduce(torch.zeros(1, device=_comm_device(group)), group=group)
     return group
+
+
+def release_checkpoint_group(group: Optional[dist.ProcessGroup]) -> None:
+    """Destroy a group :func:`new_checkpoint_group` made, once its owner is done with it (gloo
+    keeps connections and threads per group until then: a job that made managers one after
+    another ran out of threads). Best effort: a broken group may refuse."""
+    if group is None or group is dist.GroupMember.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception as e:  # already destroyed, or its connections broken
+        logger.debug("checkpoint group not destroyed cleanly: %s", e)
 
 
 def _comm_device(group: dist.ProcessGroup) -> torch.device:
