@@ -559,5 +559,7 @@ def test_managers_made_one_after_another_release_their_groups_threads_on_close(t
     # Each manager's groups hold gloo connections and threads; close() destroys them, so a job
     # (or a test suite) making many managers does not run out of threads.
     n = 12
-    for threads in run_ranks(_managers_one_after_another, 2, tmp_root, ranks_per_node=1, args=(n,), timeout=120):
+    for threads in run_ranks(
+        _managers_one_after_another, 2, tmp_root, ranks_per_node=1, args=(n,), timeout=120
+    ):
         assert threads[-1] <= threads[1] + 2, f"threads after each manager closed: {threads}"

@@ -86,3 +86,44 @@ def test_typed_targets_of_every_shape_take_their_bytes(tmp_path):
     targets = [torch.zeros_like(t) for t in src]
     moved = read_into(path, [Read(o, n, d, t, i) for i, ((o, n, d), t) in enumerate(zip(where, targets))])
     assert moved.failed == [] and all(torch.equal(a, b) for a, b in zip(src, targets))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layout=st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 5000)), min_size=1, max_size=80),
+    corrupt=st.sets(st.integers(0, 79), max_size=4),
+    past_end=st.booleans(),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 1000),
+)
+def test_many_small_tensors_read_in_batches_land_exactly_and_bad_ones_are_named(
+    tmp_path_factory, layout, corrupt, past_end, threads, seed
+):
+    # Small tensors with padding between them (some gaps wider than a batch reads over), as a
+    # state dict of thousands of small tensors is stored: batched reads must give each its own
+    # bytes and name exactly the ones whose checksum fails or that the file cuts short.
+    path = tmp_path_factory.mktemp("b") / "seg.data"
+    g = torch.Generator().manual_seed(seed)
+    blobs, reads, pos = [], [], 0
+    with open(path, "wb") as f:
+        for i, (n, gap) in enumerate(layout):
+            f.write(b"\xee" * gap)
+            pos += gap
+            b = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy().tobytes()
+            f.write(b)
+            digest = checksum.digest(b) ^ (1 if i in corrupt and n else 0)
+            reads.append(Read(pos, n, digest, torch.zeros(n, dtype=torch.uint8), i))
+            blobs.append(b)
+            pos += n
+    cut = None
+    if past_end and layout[-1][0]:
+        cut = len(layout) - 1
+        last = reads[-1]
+        reads[-1] = Read(last.offset + 1, last.nbytes, 0, last.target, last.index)
+    moved = read_into(str(path), reads, threads=threads)
+    want_failed = sorted(i for i in corrupt if i < len(layout) and layout[i][0] and i != cut)
+    assert moved.failed == want_failed
+    assert moved.short == ([cut] if cut is not None else [])
+    for i, (b, r) in enumerate(zip(blobs, reads)):
+        if i not in want_failed and i != cut:
+            assert r.target.numpy().tobytes() == b, i
