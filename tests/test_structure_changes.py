@@ -361,7 +361,13 @@ class StructureMachine(RuleBasedStateMachine):
         flags = {o[1] for o in cached}
         # truthful: reused exactly when the structure is the one the cache was made for
         assert flags == {spec.plain and self.cache_spec == spec}, (flags, self.cache_spec, spec)
-        self.spec, self.saved, self.cache_spec = spec, (spec, self.step), spec
+        self.spec, self.saved = spec, (spec, self.step)
+        if spec.plain:
+            self.cache_spec = spec
+        elif replace(spec, plain=True) != self.cache_spec:
+            # a non-plain save of another structure renews the structure cache without what a
+            # plain save reuses; one of the cached structure leaves the cache as it was
+            self.cache_spec = None
 
     def _restore(self, restart: bool):
         out = self.pool.run(rank_restore, self.spec, restart)
