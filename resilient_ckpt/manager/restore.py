@@ -517,16 +517,11 @@ def _read_local_into(
             t = targets.get(sid)
             if _fits(t, lay):
                 tensors[i] = t
-    reads = []
     for i, lay in enumerate(header.tensors):
         if tensors[i] is None:
             tensors[i] = torch.empty(lay.shape, dtype=lay.torch_dtype)
-        reads.append(Read(lay.offset, lay.nbytes, lay.checksum, tensors[i], i))
-    moved = read_into(str(reader.path), reads)
-    if moved.short:
-        raise CorruptCheckpointError(f"{reader.path}: short read of tensors {moved.short[:8]}")
-    moved.fence()
-    return header, tensors, header.data_nbytes, hollow, moved.failed
+    failed = reader.read_into(tensors)
+    return header, tensors, header.data_nbytes, hollow, failed
 
 
 def read_local_shards(

@@ -6,7 +6,6 @@ verified the header first."""
 from __future__ import annotations
 
 import mmap
-import os
 import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -14,8 +13,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CorruptCheckpointError
-from . import checksum
+from . import transfer
 from .layout import CheckpointHeader, failed_tensors
+from .transfer import Read, pread_full
 
 
 class CheckpointReader:
@@ -31,20 +31,19 @@ class CheckpointReader:
             )
 
     def read_into(self, dests: Sequence[torch.Tensor], verify: bool = True) -> List[int]:
-        """Copy every tensor into ``dests`` (CPU, contiguous). Returns indices failing checksum."""
-        bad = []
-        with open(self.path, "rb", buffering=0) as f:
-            fd = f.fileno()
-            for i, (lay, dst) in enumerate(zip(self.header.tensors, dests)):
-                if lay.nbytes == 0:
-                    continue
-                view = checksum.byte_view(dst)
-                got = _pread_full(fd, view, lay.offset)
-                if got != lay.nbytes:
-                    raise CorruptCheckpointError(f"{self.path}: short read of tensor {i}")
-                if verify and lay.checksum is not None and checksum.digest(view) != lay.checksum:
-                    bad.append(i)
-        return bad
+        """Move every tensor into ``dests`` (contiguous, the stored dtype and shape; CPU, or CUDA
+        — ordered before the current stream's later work) through :mod:`.transfer`, verified on
+        the way unless ``verify=False``. Returns the indices failing their checksum; raises
+        CorruptCheckpointError if the file ends early."""
+        reads = [
+            Read(lay.offset, lay.nbytes, lay.checksum if verify else None, dst, i)
+            for i, (lay, dst) in enumerate(zip(self.header.tensors, dests))
+        ]
+        moved = transfer.read_into(str(self.path), reads)
+        if moved.short:
+            raise CorruptCheckpointError(f"{self.path}: short read of tensors {moved.short[:8]}")
+        moved.fence()
+        return moved.failed
 
     def map(self, populate: bool = False) -> Tuple[mmap.mmap, torch.Tensor]:
         """Read-only mapping of the segment (the caller must not keep views past retention;
@@ -54,7 +53,7 @@ class CheckpointReader:
 
     def read_range(self, offset: int, out: memoryview) -> None:
         with open(self.path, "rb", buffering=0) as f:
-            if _pread_full(f.fileno(), out, offset) != len(out):
+            if pread_full(f.fileno(), out, offset) != len(out):
                 raise CorruptCheckpointError(f"{self.path}: short read at {offset}")
 
     def verify(self) -> List[int]:
@@ -84,14 +83,3 @@ def map_readonly(path: Path, nbytes: int, populate: bool = False) -> Tuple[Optio
         # torch warns that the mapping is read-only; callers only read (send, verify) it.
         warnings.simplefilter("ignore", UserWarning)
         return m, torch.frombuffer(m, dtype=torch.uint8)
-
-
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    done = 0
-    n = len(view)
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            break
-        done += got
-    return done

@@ -255,7 +255,7 @@ def _batch_to_device(
     event = None
     try:
         view = byte_view(buf)[:total]
-        if _pread(fd, view, start) != total:
+        if pread_full(fd, view, start) != total:
             return [(r.index, False, False) for r in batch]
         out = []
         with torch.cuda.stream(stream):
@@ -278,7 +278,9 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
-def _pread(fd: int, view: memoryview, offset: int) -> int:
+def pread_full(fd: int, view, offset: int) -> int:
+    """Read ``len(view)`` bytes at ``offset`` into ``view``; the bytes read (fewer: the file
+    ended)."""
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -294,7 +296,7 @@ def _to_host(fd: int, r: Read):
     h = xxhash.xxh3_64()
     for start in range(0, r.nbytes, CHUNK_BYTES):
         part = view[start : start + CHUNK_BYTES]
-        if _pread(fd, part, r.offset + start) != len(part):
+        if pread_full(fd, part, r.offset + start) != len(part):
             return False, False
         h.update(part)
     return r.checksum is None or h.intdigest() == r.checksum, True
@@ -311,7 +313,7 @@ def _to_device(fd: int, r: Read, ring: PinnedRing, stream):
         event = None
         try:
             view = byte_view(buf)[:n]
-            if _pread(fd, view, r.offset + start) != n:
+            if pread_full(fd, view, r.offset + start) != n:
                 return False, False
             h.update(view)
             with torch.cuda.stream(stream):
