@@ -543,17 +543,16 @@ def read_local_shards(
             reader = store.open(cid)
             header = reader.header
             metas = MCoreTensorAwareStateDict.saved_metadata_from_bytes(header.meta, allow_pickle)
-            reads, sids, taken = [], {}, set()  # taken: sids' values, as a set (50k tensors)
+            reads, index_of = [], {}  # shard id -> the tensor of this file read for it
             for i, (lay, st) in enumerate(zip(header.tensors, metas)):
                 t = wanted.get(st.shard_id)
-                if st.shard_id not in filled and st.shard_id not in taken and _fits(t, lay):
+                if st.shard_id not in filled and st.shard_id not in index_of and _fits(t, lay):
                     reads.append(Read(lay.offset, lay.nbytes, lay.checksum, t, i))
-                    sids[i] = st.shard_id
-                    taken.add(st.shard_id)
+                    index_of[st.shard_id] = i
             moved = read_into(str(reader.path), reads)
             moved.fence()
             bad = set(moved.failed) | set(moved.short)
-            for i, sid in sids.items():
+            for sid, i in index_of.items():
                 if i in bad:
                     # the load exchange brings it from another rank (it overwrites the target)
                     logger.warning(
