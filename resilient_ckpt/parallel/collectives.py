@@ -7,7 +7,8 @@ tensors. On NCCL groups the byte tensors live on the current CUDA device.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import time
+from typing import Any, Dict, List, Optional, Sequence
 
 import msgpack
 import torch
@@ -51,40 +52,95 @@ def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
-def _wrap(err: BaseException, what: str, group) -> CheckpointingException:
+#: id(group) -> its timeout in seconds, for the groups whose timeout this package set
+#: (:func:`note_timeout`): a collective that fails after about that long failed by a timeout,
+#: whatever the transport's words
+_TIMEOUTS: Dict[int, float] = {}
+#: a collective that ran this share of its group's timeout before failing failed by a timeout:
+#: the ranks entered it at slightly different times, so the first to give up (and close its
+#: connections) does so a little before the others' own timeouts
+_TIMED_OUT_SHARE = 0.8
+
+
+def note_timeout(group: Optional[dist.ProcessGroup], seconds: float) -> None:
+    """Remember ``group``'s timeout (set when it was made) for classifying its failures."""
+    if group is not None:
+        _TIMEOUTS[id(group)] = float(seconds)
+
+
+def forget_timeout(group: Optional[dist.ProcessGroup]) -> None:
+    _TIMEOUTS.pop(id(group), None)
+
+
+def _wrap(err: BaseException, what: str, group, elapsed: float) -> CheckpointingException:
+    """The collective's failure, named. A timeout is a :class:`CollectiveTimeoutError` on every
+    rank: on the rank whose own wait expired (the transport says so) and on the ranks whose
+    connection that rank then closed ("Connection closed by peer" after about the timeout)."""
     text = str(err)
-    cls = (
-        CollectiveTimeoutError
-        if "timed out" in text.lower() or "timeout" in text.lower()
-        else (CheckpointingException)
+    low = text.lower()
+    timeout = _TIMEOUTS.get(id(group))
+    said = "timed out" in low or "timeout" in low
+    gave_up = not said and timeout is not None and elapsed >= _TIMED_OUT_SHARE * timeout
+    cls = CollectiveTimeoutError if said or gave_up else CheckpointingException
+    why = (
+        f" (after {elapsed:.1f} s of the group's {timeout:g} s timeout: a peer rank gave up waiting)"
+        if gave_up
+        else ""
     )
     return cls(
-        f"collective '{what}' failed on a group of {group_size(group)} ranks: {text.strip()[:500]}"
+        f"collective '{what}' failed on a group of {group_size(group)} ranks{why}: {text.strip()[:500]}"
         " — a peer rank probably died or is stuck; the job needs a restart"
     )
 
 
+#: Bytes of the first round of :func:`all_gather_bytes`, summed over the group: every rank
+#: sends its length and up to ``max(FIRST_ROUND_MIN, FIRST_ROUND_TOTAL // n)`` payload bytes
+#: at once, so the small messages of the control path (holdings, votes, plans) take one
+#: collective instead of two (sizes, then bytes), and a large group pays at most this much
+#: extra traffic per gather for it.
+FIRST_ROUND_TOTAL = 64 << 10
+FIRST_ROUND_MIN = 256
+_LEN = 8  # the length prefix of a first-round frame (little-endian int64)
+
+
+def first_round_bytes(n: int) -> int:
+    """Payload bytes each of ``n`` ranks sends in the first round of :func:`all_gather_bytes`."""
+    return max(FIRST_ROUND_MIN, FIRST_ROUND_TOTAL // max(n, 1))
+
+
 def all_gather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) -> List[bytes]:
-    """Every rank's ``payload`` in group-rank order (two collectives: sizes, then bytes)."""
+    """Every rank's ``payload`` in group-rank order. One collective when every payload fits
+    the first round's frame (:func:`first_round_bytes`), else a second one for the rest
+    (every rank learns every length from the first round, so all take the same branch)."""
     n = group_size(group)
     if n == 1:
         return [bytes(payload)]
     dev = comm_device(group)
+    head = first_round_bytes(n)
+    t0 = time.monotonic()
     try:
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-        sizes = [torch.empty_like(size) for _ in range(n)]
-        dist.all_gather(sizes, size, group=group)
-        sizes_l = [int(s.item()) for s in sizes]
-        cap = max(sizes_l)
-        buf = torch.zeros(cap, dtype=torch.uint8)
-        if payload:
-            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        buf = buf.to(dev)
-        outs = [torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(n)]
-        dist.all_gather(outs, buf, group=group)
+        frame = torch.zeros(_LEN + head, dtype=torch.uint8)
+        frame[:_LEN] = torch.frombuffer(bytearray(len(payload).to_bytes(_LEN, "little")), dtype=torch.uint8)
+        first = payload[:head]
+        if first:
+            frame[_LEN : _LEN + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        frames = [torch.empty(_LEN + head, dtype=torch.uint8, device=dev) for _ in range(n)]
+        dist.all_gather(frames, frame.to(dev), group=group)
+        heads = [f.cpu().numpy().tobytes() for f in frames]
+        sizes = [int.from_bytes(h[:_LEN], "little") for h in heads]
+        rest_cap = max(sizes) - head
+        rests = [b""] * n
+        if rest_cap > 0:  # someone's payload is longer than the frame: the rest, padded
+            buf = torch.zeros(rest_cap, dtype=torch.uint8)
+            tail = payload[head:]
+            if tail:
+                buf[: len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
+            outs = [torch.empty(rest_cap, dtype=torch.uint8, device=dev) for _ in range(n)]
+            dist.all_gather(outs, buf.to(dev), group=group)
+            rests = [o.cpu().numpy().tobytes() for o in outs]
     except RuntimeError as e:
-        raise _wrap(e, "all_gather_bytes", group) from e
-    return [o[:s].cpu().numpy().tobytes() for o, s in zip(outs, sizes_l)]
+        raise _wrap(e, "all_gather_bytes", group, time.monotonic() - t0) from e
+    return [h[_LEN : _LEN + min(s, head)] + r[: max(s - head, 0)] for h, r, s in zip(heads, rests, sizes)]
 
 
 def all_gather_msgpack(obj: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
@@ -106,6 +162,7 @@ def all_to_all_msgpack(per_rank: Sequence[Any], group: Optional[dist.ProcessGrou
         received = blobs
     else:
         dev = comm_device(group)
+        t0 = time.monotonic()
         try:
             out_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=dev)
             in_sizes = torch.empty_like(out_sizes)
@@ -121,7 +178,7 @@ def all_to_all_msgpack(per_rank: Sequence[Any], group: Optional[dist.ProcessGrou
                 group=group,
             )
         except RuntimeError as e:
-            raise _wrap(e, "all_to_all_msgpack", group) from e
+            raise _wrap(e, "all_to_all_msgpack", group, time.monotonic() - t0) from e
         flat = recv[: sum(ins)].cpu().numpy().tobytes()
         received, pos = [], 0
         for k in ins:
@@ -142,10 +199,11 @@ def all_reduce_int(value: int, op: str, group: Optional[dist.ProcessGroup] = Non
         return int(value)
     ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
     t = torch.tensor([int(value)], dtype=torch.int64, device=comm_device(group))
+    t0 = time.monotonic()
     try:
         dist.all_reduce(t, op=ops[op], group=group)
     except RuntimeError as e:
-        raise _wrap(e, f"all_reduce({op})", group) from e
+        raise _wrap(e, f"all_reduce({op})", group, time.monotonic() - t0) from e
     return int(t.item())
 
 

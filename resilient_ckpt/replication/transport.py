@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointingException, ReplicationError
+from ..parallel import collectives
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def new_checkpoint_group(backend: Optional[str] = None, timeout_s: float = 120) 
             f"backend {backend!r} needs CUDA, which is not available here; use backend='gloo'"
         )
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    collectives.note_timeout(group, timeout_s)
     if _comm_device(group).type == "cuda":
         # NCCL requires the first operation on a communicator to involve all its ranks; later
         # point-to-point batches may then involve any subset.
@@ -135,6 +137,7 @@ def release_checkpoint_group(group: Optional[dist.ProcessGroup]) -> None:
     another ran out of threads). Best effort: a broken group may refuse."""
     if group is None or group is dist.GroupMember.WORLD or group == dist.GroupMember.NON_GROUP_MEMBER:
         return
+    collectives.forget_timeout(group)
     try:
         dist.destroy_process_group(group)
     except Exception as e:  # already destroyed, or its connections broken
