@@ -127,3 +127,75 @@ def test_many_small_tensors_read_in_batches_land_exactly_and_bad_ones_are_named(
     for i, (b, r) in enumerate(zip(blobs, reads)):
         if i not in want_failed and i != cut:
             assert r.target.numpy().tobytes() == b, i
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    files=st.lists(
+        st.lists(st.tuples(st.integers(0, 300_000), st.booleans()), min_size=0, max_size=5),
+        min_size=1,
+        max_size=4,
+    ),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 1000),
+)
+def test_reads_of_several_files_moved_together_each_report_their_own_failures(
+    tmp_path_factory, files, threads, seed
+):
+    # A restore reads its own copy and replicas in the node's store in one pass: every file's
+    # tensors land exactly, and a corrupt tensor is named in its own file's result only.
+    tmp = tmp_path_factory.mktemp("f")
+    g = torch.Generator().manual_seed(seed)
+    sources, expected = [], []
+    for k, spec in enumerate(files):
+        blobs = [
+            torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).numpy().tobytes() for n, _ in spec
+        ]
+        path = tmp / f"seg{k}.data"
+        path.write_bytes(b"".join(blobs))
+        reads, pos = [], 0
+        for i, ((n, bad), b) in enumerate(zip(spec, blobs)):
+            digest = checksum.digest(b) ^ (1 if bad and n else 0)
+            reads.append(Read(pos, n, digest, torch.zeros(n, dtype=torch.uint8), i))
+            pos += n
+        sources.append((str(path), reads))
+        expected.append((blobs, sorted(i for i, (n, bad) in enumerate(spec) if bad and n)))
+    pending = transfer.start_reads(sources, threads=threads)
+    moved = pending.wait()
+    assert pending.wait() is moved  # waiting again returns the same results
+    for (blobs, want_failed), (_, reads), m in zip(expected, sources, moved):
+        assert m.failed == want_failed and m.short == []
+        assert m.nbytes == sum(len(b) for b in blobs)
+        for i, (b, r) in enumerate(zip(blobs, reads)):
+            if i not in want_failed:
+                assert r.target.numpy().tobytes() == b
+
+
+def test_a_missing_file_among_several_raises_and_leaves_no_file_open(tmp_path):
+    path, where = _file(tmp_path, [os.urandom(1000)])
+    (o, n, d) = where[0]
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError):
+        transfer.read_files(
+            [(path, [Read(o, n, d, torch.empty(n, dtype=torch.uint8))]), (str(tmp_path / "gone"), [])]
+        )
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 200_000), min_size=0, max_size=8),
+    corrupt=st.sets(st.integers(0, 7), max_size=3),
+    threads=st.integers(1, 3),
+)
+def test_checks_of_bytes_in_memory_name_exactly_the_corrupt_tensors(sizes, corrupt, threads):
+    # What a rank serving a lost rank's replica verifies while its own bytes move.
+    blobs = [os.urandom(n) for n in sizes]
+    data = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)
+    checks, pos = [], 0
+    for i, b in enumerate(blobs):
+        checks.append((pos, len(b), checksum.digest(b) ^ (1 if i in corrupt else 0)))
+        pos += len(b)
+    assert transfer.start_checks(data, checks, threads=threads).wait() == sorted(
+        i for i in corrupt if i < len(sizes)
+    )

@@ -252,8 +252,9 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("checksum", _PKG + "manager.saving:_with_checksums", "phase"),
     ("replication (data)", _PKG + "manager.saving:SavePath._replicate", "phase"),
     ("retrieval (data)", _PKG + "manager.loading:retrieve", "phase"),
+    ("local replica shards", _PKG + "manager.restore:_plan_node_copies", "phase"),
     ("local replica shards", _PKG + "manager.loading:LoadPath._extra_shards", "phase"),
-    ("rebuild", _PKG + "manager.loading:LoadPath._decode", "phase"),
+    ("rebuild", _PKG + "manager.loading:LoadPath._decode_here", "phase"),
     ("data exchange", _PKG + "parallel.load_exchange:execute_exchange", "phase"),
     # housekeeping
     ("group setup", _PKG + "manager.checkpoint_manager:CheckpointManager._ckpt_group", "phase"),

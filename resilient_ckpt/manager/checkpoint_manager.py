@@ -36,6 +36,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from ..errors import StoreError, ValidationError
+from ..memory import transfer
 from ..memory.segment import Segment
 from ..memory.staging import SegmentPrefetcher, Stager
 from ..memory.store import DEFAULT_ROOT, CheckpointStore, validate_session_id
@@ -309,6 +310,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
     def _init_state(self) -> None:
         """Threads, groups (created on first use) and the bookkeeping of saves and loads."""
         self._stager = Stager()
+        transfer.prestart_readers()  # a restore's reads then start at once (memory.transfer)
         # Pinned ahead only once a save staged GPU tensors (a CPU-only job on a GPU host never
         # page-locks its segments).
         self._prefetcher = SegmentPrefetcher(self.store, pin=False)

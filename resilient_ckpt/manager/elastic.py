@@ -30,7 +30,7 @@ from ..memory.checksum import digest
 from ..memory.layout import CheckpointHeader, CheckpointId
 from ..memory.reader import map_readonly
 from ..memory.store import CheckpointStore
-from ..memory.transfer import Read, read_into
+from ..memory.transfer import Pending, Read, read_into, start_reads
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge
 from ..parallel import collectives
@@ -348,7 +348,8 @@ class _Sources:
     def load(
         self, pieces: Sequence[Piece], template: PreparedTemplate, targets: List[torch.Tensor], bad
     ) -> None:
-        """Read every saved tensor the pieces this rank serves need (one pass per saved rank)."""
+        """Read every saved tensor the pieces this rank serves need (one pass over every saved
+        rank's file)."""
         by_owner: Dict[int, List[Read]] = {}
         partial: Dict[int, List[int]] = {}
         for p in pieces:
@@ -372,14 +373,23 @@ class _Sources:
             self.placed.add((p.owner, p.index, p.slot))
             self._read[key] = buf
             by_owner.setdefault(p.owner, []).append(Read(lay.offset, lay.nbytes, lay.checksum, buf, p.index))
-        for owner, indices in partial.items():
-            self._map_partial(owner, indices, bad)
-        for owner, reads in by_owner.items():
-            path = self.store.data_path(CheckpointId(self.iteration, owner, self.session))
+        owners = list(by_owner)
+        paths = [str(self.store.data_path(CheckpointId(self.iteration, o, self.session))) for o in owners]
+        try:  # every saved rank's whole tensors in one pass, the partial ones mapped meanwhile
+            pending: Optional[Pending] = start_reads([(path, by_owner[o]) for o, path in zip(owners, paths)])
+        except OSError:
+            pending = None  # a file is unreadable: one pass per saved rank says which
+        try:
+            for owner, indices in partial.items():
+                self._map_partial(owner, indices, bad)
+        finally:
+            moved = pending.wait() if pending is not None else [None] * len(owners)
+        for owner, path, m in zip(owners, paths, moved):
+            reads = by_owner[owner]
             try:
-                moved = read_into(str(path), reads)
-                moved.fence()
-                failed = set(moved.failed) | set(moved.short)
+                m = m if m is not None else read_into(path, reads)
+                m.fence()
+                failed = set(m.failed) | set(m.short)
             except OSError as e:
                 logger.warning("cannot read saved rank %d's tensors: %s", owner, e)
                 failed = {r.index for r in reads}

@@ -20,7 +20,6 @@ from ..errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
     NoReplicaError,
-    PeerFailedError,
     StoreError,
 )
 from ..memory.layout import CheckpointId
@@ -35,7 +34,7 @@ from ..replication.parity import group_of
 from ..replication.parity_peer import rebuild_lost
 from ..replication.placement import plan_retrieval
 from .metrics import LoadMetrics
-from .restore import Holdings, Retrieved, gather_holdings, read_local_shards, retrieve
+from .restore import Holdings, Retrieved, gather_holdings, retrieve
 from .restore_plan import PERSISTENT, RESHARDED, RestorePlan, plan_restore
 
 logger = logging.getLogger(__name__)
@@ -196,16 +195,23 @@ class LoadPath:
         """Stage 4: the checkpoint decoded, the shards this rank did not save found (replicas
         in the node's store, else the load exchange), the template filled; then healing, and
         the next save's segment made ahead."""
-        local: Optional[BaseException] = None
-        tasd = self._decode(retrieved, iteration)
+        tasd, local = self._decode_here(retrieved, iteration)
         extra: Dict[Any, torch.Tensor] = {}
-        try:
-            extra = self._extra_shards(retrieved, tasd, iteration, req.targets)
-        except Exception as e:
-            local = e
-        collectives.fail_together(local, f"restoring iteration {iteration}", self._control_group())
+        holds_all = False
+        if local is None:
+            try:
+                extra = self._extra_shards(retrieved)
+                holds_all = self._holds_template(tasd, req.template, extra)
+            except Exception as e:
+                local = e
+        # One vote for these steps: every rank decoded and found its extra shards, or all
+        # stop; and whether every rank holds all its template asks for (no exchange at all).
+        held_everywhere = collectives.agree_or_fail(
+            local, holds_all, f"restoring iteration {iteration}", self._control_group()
+        )
         t1 = time.perf_counter()
-        state = _unborrow(self._fill(tasd, req.template, req.strict, extra), retrieved.borrowed_storages())
+        state = self._fill(tasd, req.template, req.strict, extra, held_everywhere)
+        state = _unborrow(state, retrieved.borrowed_storages())
         own_nbytes = retrieved.header.data_nbytes if retrieved.header is not None else 0
         del tasd, retrieved, extra
         self._heal_after_restore()
@@ -218,10 +224,24 @@ class LoadPath:
                     self.rank, iteration, m.source, m.source_rank, m.total_s)  # fmt: skip
         return state, iteration
 
-    def _fill(self, tasd, template, strict, extra):
-        """The template filled through the load exchange (collective; this manager's groups)."""
+    def _same_structure_checked(self, template) -> bool:
+        """``template`` passed the agreed check as the checkpoint's own structure (every rank)."""
         checked = template is not None and self._integrity_checked_for is template
-        same = checked and self._restore_check is RestoreCheck.SAME_STRUCTURE
+        return checked and self._restore_check is RestoreCheck.SAME_STRUCTURE
+
+    def _holds_template(self, tasd, template, extra) -> bool:
+        """This rank holds every shard ``template`` asks for (its own checkpoint's and
+        ``extra``), the template being of the checkpoint's agreed structure."""
+        if not self._same_structure_checked(template):
+            return False
+        held = tasd.held(extra).held
+        return all(st.shard_id in held for st in template.shards)
+
+    def _fill(self, tasd, template, strict, extra, held_everywhere: bool = False):
+        """The template filled through the load exchange (collective; this manager's groups,
+        none when every rank agreed it ``held_everywhere``)."""
+        checked = template is not None and self._integrity_checked_for is template
+        same = self._same_structure_checked(template)
         self._integrity_checked_for = None
         return tasd.to_state_dict(
             template if template is not None else tasd.sharded_state_dict,
@@ -234,25 +254,18 @@ class LoadPath:
             extra_held=extra,
             validation_group=self._control_group(),
             same_structure=same,
+            held_everywhere=held_everywhere,
         )
 
-    def _extra_shards(self, retrieved: Retrieved, tasd, iteration: int, targets) -> Dict[Any, torch.Tensor]:
+    def _extra_shards(self, retrieved: Retrieved) -> Dict[Any, torch.Tensor]:
         """Shards this rank can serve or fill beyond its own checkpoint: replicas of lost
-        ranks it verified (it serves their shards in the exchange), and template shards it
-        did not save that a replica in this node's store holds (ring placement puts the
-        previous node's ranks here: typically half of the data-parallel replicated shards) —
-        read locally, not over the network."""
+        ranks it verified (it serves their shards in the exchange), and the template shards it
+        did not save that the move read from replicas in this node's store."""
         extra: Dict[Any, torch.Tensor] = {}
         for owner, (hdr, views) in retrieved.serving.items():
             replica = retrieved.decoded.get(owner) or self._hollow(hdr.meta)
             extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
-        if targets and retrieved.served_by is None:
-            own = {st.shard_id for st in tasd.tensor_metadata}
-            wanted = {sid: t for sid, t in targets.items() if sid not in own and sid not in extra}
-            if wanted:
-                extra.update(
-                    read_local_shards(self.store, iteration, wanted, self.rank, self.options.allow_pickle)
-                )
+        extra.update(retrieved.node_shards)
         return extra
 
     def _check_template(
@@ -591,32 +604,29 @@ class LoadPath:
         """The restored state dict, with tensors on their devices. Collective: a rank that cannot
         decode its checkpoint makes every rank raise (never some ranks loading while others
         fail)."""
-        tasd = None
-        local: Optional[BaseException] = None
+        tasd, local = self._decode_here(retrieved, iteration)
+        collectives.fail_together(
+            local, f"rebuilding the state dict of iteration {iteration}", self._control_group()
+        )
+        return tasd
+
+    def _decode_here(
+        self, retrieved: Retrieved, iteration: int
+    ) -> Tuple[Optional[MCoreTensorAwareStateDict], Optional[BaseException]]:
+        """:meth:`_decode` without its collective: (the state dict, None) or (None, the error
+        to raise together, naming the likely cause)."""
         try:
             if is_opaque(retrieved.header.meta):
-                tasd = load_opaque(retrieved.tensors[0], self.options.allow_pickle)
-            else:
-                tasd = self._rebuild(retrieved)
+                return load_opaque(retrieved.tensors[0], self.options.allow_pickle), None
+            return self._rebuild(retrieved), None
         except Exception as e:
-            local = e
-        try:
-            collectives.gather_or_fail(
-                None, local, f"rebuilding the state dict of iteration {iteration}", self._control_group()
+            err = CheckpointingException(
+                f"rank {self.rank} could not rebuild its state dict from iteration {iteration}: "
+                f"{collectives.describe(e)} (the checkpoint was written by an incompatible "
+                "resilient_ckpt or with a type this process has not registered)"
             )
-            assert tasd is not None
-            return tasd
-        except PeerFailedError as e:
-            rank, reason = e.rank, e.reason
-        except Exception:
-            if local is None:
-                raise
-            rank, reason = self.rank, collectives.describe(local)
-        raise CheckpointingException(
-            f"rank {rank} could not rebuild its state dict from iteration {iteration}: "
-            f"{reason}; every rank stops (the checkpoint was written by an incompatible "
-            "resilient_ckpt or with a type this process has not registered)"
-        ) from local
+            err.__cause__ = e
+            return None, err
 
 
 def rank_ranges(ranks: List[int]) -> str:

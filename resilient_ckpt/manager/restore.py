@@ -27,7 +27,7 @@ from ..errors import (
 from ..memory import checksum
 from ..memory.layout import CheckpointHeader, CheckpointId, TensorLayout, failed_tensors
 from ..memory.store import CheckpointStore
-from ..memory.transfer import Read, read_into
+from ..memory.transfer import Moved, Pending, Read, start_checks, start_reads
 from ..parallel import collectives
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import ParityGroup, recoverable_owners
@@ -218,6 +218,9 @@ class Retrieved:
     hollow: Any = None
     #: owner -> hollow state dict already decoded by the caller (reused, not decoded again)
     decoded: Mapping[int, Any] = field(default_factory=dict)
+    #: borrow mode, the node's own copy: template shards this rank did not save, read in the
+    #: same move from other owners' copies in its node's store (shard id -> filled target)
+    node_shards: Dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def borrowed_storages(self) -> Set[int]:
         """Storage addresses of the store mappings this retrieval's tensors view: tensors on
@@ -368,56 +371,83 @@ def _execute(at: "_Attempt", plan: Sequence[Fetch], transport):
     failures: List[Tuple[int, int]] = []
     outgoing: List[Outgoing] = []
     maps: list = []
-    for f in plan:
-        if f.source == me and f.receiver != me and not at.same_node(f.source, f.receiver):
-            out, mapping = _serve(at, f)
-            outgoing.append(out)
-            if mapping is None and not out.header:
-                failures.append((me, f.owner))
-            elif mapping is not None:
-                maps.append(mapping)
-    if outgoing or incoming:
-        if transport is None:
-            raise CheckpointingException("a remote checkpoint copy is needed but no transport is set up")
-        transport.exchange(outgoing, incoming)
-    # Unmapped when the last tensor viewing them is gone (never close() under a live view).
-    del outgoing
-    maps.clear()
-    if mine is None:
-        return None, failures
+    checks: List[Tuple[int, Pending]] = []  # owner -> verification of the copy served
     try:
-        if at.same_node(mine.source, me):
-            return _from_node(at, mine), failures
-        return _from_peer(at, mine, remote), failures
+        for f in plan:
+            if f.source == me and f.receiver != me and not at.same_node(f.source, f.receiver):
+                out, mapping, check = _serve(at, f)
+                outgoing.append(out)
+                if mapping is None and not out.header:
+                    failures.append((me, f.owner))
+                elif mapping is not None:
+                    maps.append(mapping)
+                if check is not None:
+                    checks.append((f.owner, check))
+        if outgoing or incoming:
+            if transport is None:
+                raise CheckpointingException("a remote checkpoint copy is needed but no transport is set up")
+            transport.exchange(outgoing, incoming)
+        # Unmapped when the last tensor viewing them is gone (never close() under a live view).
+        del outgoing
+        maps.clear()
+        return _receive(at, mine, remote, failures), failures
+    finally:
+        # Served copies are verified while this rank's own bytes move (the same reader
+        # threads); one that fails is reported with this attempt's failures, so its receiver
+        # retries from another holder like any failed copy.
+        for owner, check in checks:
+            bad = check.wait()
+            if bad:
+                logger.warning(
+                    "%s: tensors %s fail their checksum on rank %d; not serving it",
+                    at.cid(owner).stem(),
+                    bad[:8],
+                    me,
+                )
+                at.serving.pop(owner, None)
+                failures.append((me, owner))
+
+
+def _receive(
+    at: "_Attempt", mine: Optional[Fetch], remote: Mapping[str, Any], failures
+) -> Optional[Retrieved]:
+    """This rank's own copy, from its node's store or the peer that sent it; None (and the copy
+    in ``failures``) if it is unusable."""
+    if mine is None:
+        return None
+    try:
+        if at.same_node(mine.source, at.me):
+            return _from_node(at, mine)
+        return _from_peer(at, mine, remote)
     except (CorruptCheckpointError, StoreError, OSError) as e:
         logger.warning("copy of %s from rank %d unusable: %s", at.cid(mine.owner).stem(), mine.source, e)
         failures.append((mine.source, mine.owner))
-        return None, failures
+        return None
 
 
 def _serve(at: _Attempt, f: Fetch):
     """This rank holds ``f.owner``'s copy for a receiver on another node: (the Outgoing, the
-    mapping to keep alive while it is sent, or None). Borrow mode verifies the copy here and
-    serves its shards in the load exchange later, so only the header travels now. A copy that
-    cannot be read still takes part, with an empty header, so the receiver learns it at once."""
+    mapping to keep alive while it is sent, or None; the copy's verification, started, or None).
+    Borrow mode verifies the copy here (on the reader threads, while this rank's own bytes
+    move) and serves its shards in the load exchange later, so only the header travels now. A
+    copy that cannot be read still takes part, with an empty header, so the receiver learns it
+    at once."""
     cid = at.cid(f.owner)
     empty = torch.empty(0, dtype=torch.uint8)
     try:
         reader = at.store.open(cid)
         raw = at.store.header_path(cid).read_bytes()
-        m, buf = _map_readonly(reader)
         if not at.borrow:
-            return Outgoing(f.receiver, raw, buf), m
-        bad = _verify(reader.header, buf)
-        if bad:
-            raise CorruptCheckpointError(
-                f"{cid.stem()}: tensors {bad[:8]} fail their checksum on rank {at.me}"
-            )
+            m, buf = _map_readonly(reader)
+            return Outgoing(f.receiver, raw, buf), m, None
+        _, buf = _map_readonly(reader, populate=False)  # the checks fault its pages in
+        tensors = reader.header.tensors
+        check = start_checks(buf, [(lay.offset, lay.nbytes, lay.checksum) for lay in tensors])
         at.serving[f.owner] = (reader.header, _views(reader.header, buf))
-        return Outgoing(f.receiver, raw, empty), _NullMap()
+        return Outgoing(f.receiver, raw, empty), _NullMap(), check
     except (StoreError, OSError) as e:
         logger.warning("cannot serve %s to rank %d: %s", cid.stem(), f.receiver, e)
-        return Outgoing(f.receiver, b"", empty), None
+        return Outgoing(f.receiver, b"", empty), None, None
 
 
 def _from_node(at: _Attempt, mine: Fetch) -> Retrieved:
@@ -426,11 +456,12 @@ def _from_node(at: _Attempt, mine: Fetch) -> Retrieved:
     cid = at.cid(mine.owner)
     source = "local" if mine.source == at.me else "node"
     if at.borrow:
-        header, tensors, nread, hollow, bad = _read_local_into(
-            at.store, cid, at.targets, at.decoded.get(mine.owner), at.allow_pickle
-        )
+        header, tensors, hollow, bad, node_shards = _read_local_into(at, cid)
         _raise_if_bad(cid, mine.source, header, bad)
-        return Retrieved(header, tensors, mine.source, source, 0.0, nread, 1, hollow=hollow)
+        nread = header.data_nbytes + sum(t.numel() * t.element_size() for t in node_shards.values())
+        return Retrieved(
+            header, tensors, mine.source, source, 0.0, nread, 1, hollow=hollow, node_shards=node_shards
+        )
     header, arena, nread = _read_local(at.store, cid)
     _raise_if_bad(cid, mine.source, header, _verify(header, arena))
     return Retrieved(header, _views(header, arena), mine.source, source, 0.0, nread, 1, arena=arena)
@@ -466,13 +497,13 @@ def _views(header: CheckpointHeader, arena: torch.Tensor) -> List[torch.Tensor]:
     return [arena[l.offset : l.offset + l.nbytes].view(l.torch_dtype).view(l.shape) for l in header.tensors]
 
 
-def _map_readonly(reader):
+def _map_readonly(reader, populate: bool = True):
     with warnings.catch_warnings():
         # torch warns that the mapping is read-only; we only ever read (send) from it.
         warnings.simplefilter("ignore", UserWarning)
         if reader.header.data_nbytes == 0:
             return _NullMap(), torch.empty(0, dtype=torch.uint8)
-        return reader.map(populate=True)
+        return reader.map(populate=populate)
 
 
 class _NullMap:
@@ -490,78 +521,114 @@ def _read_local(store: CheckpointStore, cid: CheckpointId):
     return reader.header, arena, n
 
 
-def _read_local_into(
-    store: CheckpointStore,
-    cid: CheckpointId,
-    targets: Mapping[Any, torch.Tensor],
-    hollow: Any = None,
-    allow_pickle: bool = False,
-):
+def _read_local_into(at: "_Attempt", cid: CheckpointId):
     """Borrow mode, the node's own copy: every tensor moved from the store file straight into
     its target (same dtype and shape, contiguous; CPU, or CUDA through page-locked chunks),
     else into new CPU memory, verified on the way (``memory.transfer``; no segment is mapped).
-    Returns (header, tensors, bytes, decoded hollow state dict or None, indexes of tensors
-    failing their checksum); ``hollow``: the header's, if decoded already. CUDA copies are
+    The template's shards this rank did not save move in the same pass, from other owners'
+    copies in the node's store (ring placement puts the previous node's ranks here: typically
+    half of the data-parallel replicated shards) — read locally, not over the network.
+    Returns (header, tensors, decoded hollow state dict or None, indexes of own tensors failing
+    their checksum, shard id -> target filled from the node's other copies). CUDA copies are
     ordered before the current stream's later work."""
-    reader = store.open(cid)
+    reader = at.store.open(cid)
     header = reader.header
     tensors: List[Optional[torch.Tensor]] = [None] * len(header.tensors)
-    if targets:
-        hollow = hollow or MCoreTensorAwareStateDict.from_bytes(header.meta, allow_pickle=allow_pickle)
+    hollow = at.decoded.get(cid.owner)
+    others: List[_NodeCopy] = []
+    if at.targets:
+        hollow = hollow or MCoreTensorAwareStateDict.from_bytes(header.meta, allow_pickle=at.allow_pickle)
         sids = [st.shard_id for st in hollow.tensor_metadata]
         if len(sids) != len(header.tensors):
             raise CorruptCheckpointError(
                 f"{cid.stem()}: header lists {len(header.tensors)} tensors, metadata {len(sids)}"
             )
         for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
-            t = targets.get(sid)
+            t = at.targets.get(sid)
             if _fits(t, lay):
                 tensors[i] = t
     for i, lay in enumerate(header.tensors):
         if tensors[i] is None:
             tensors[i] = torch.empty(lay.shape, dtype=lay.torch_dtype)
-    failed = reader.read_into(tensors)
-    return header, tensors, header.data_nbytes, hollow, failed
+    own_move = start_reads([(str(reader.path), reader.reads(tensors))])
+    node_move = None
+    try:  # the other copies are looked up while the own copy's bytes move
+        if at.targets:
+            own = set(sids)
+            wanted = {sid: t for sid, t in at.targets.items() if sid not in own}
+            if wanted:
+                others = _plan_node_copies(at.store, at.iteration, wanted, cid.owner, at.allow_pickle)
+        if others:
+            try:
+                node_move = start_reads([(o.path, o.reads) for o in others])
+            except OSError as e:  # the load exchange brings those shards from their holders
+                logger.warning("cannot read the node's other copies of %s: %s", cid.stem(), e)
+                others = []
+    finally:  # nothing may still be writing into the targets when this returns or raises
+        own_moved = own_move.wait()
+        node_moved = node_move.wait() if node_move is not None else []
+    failed = reader.check(own_moved[0])
+    return header, tensors, hollow, failed, _node_shards_read(others, node_moved, at.targets)
 
 
-def read_local_shards(
+@dataclass
+class _NodeCopy:
+    """Template shards read from another owner's copy of the iteration in this node's store."""
+
+    cid: CheckpointId
+    path: str
+    reads: List[Read]
+    shard_of: Dict[int, Any]  # index of the file's tensor read -> the shard id it fills
+
+
+def _plan_node_copies(
     store: CheckpointStore,
     iteration: int,
     wanted: Mapping[Any, torch.Tensor],
     skip_owner: int,
     allow_pickle: bool = False,
-) -> Dict[Any, torch.Tensor]:
-    """Fill ``wanted`` (shard id -> target tensor) from other owners' checkpoints of
-    ``iteration`` in this node's store, straight into the targets, each verified against its
-    checksum. Returns the shard ids filled (-> their target); anything unusable is skipped (the
-    load exchange brings it from another rank instead)."""
-    filled: Dict[Any, torch.Tensor] = {}
+) -> List[_NodeCopy]:
+    """Reads of ``wanted`` (shard id -> target tensor) from other owners' checkpoints of
+    ``iteration`` in this node's store, each shard from the first copy that has it in the
+    target's dtype and shape. Unreadable copies are skipped (the load exchange brings their
+    shards from another rank instead)."""
+    out: List[_NodeCopy] = []
+    taken: Set[Any] = set()
     for cid in store.list():
-        if cid.iteration != iteration or cid.owner == skip_owner or len(filled) == len(wanted):
+        if cid.iteration != iteration or cid.owner == skip_owner or len(taken) == len(wanted):
             continue
         try:
             reader = store.open(cid)
-            header = reader.header
-            metas = MCoreTensorAwareStateDict.saved_metadata_from_bytes(header.meta, allow_pickle)
-            reads, index_of = [], {}  # shard id -> the tensor of this file read for it
-            for i, (lay, st) in enumerate(zip(header.tensors, metas)):
-                t = wanted.get(st.shard_id)
-                if st.shard_id not in filled and st.shard_id not in index_of and _fits(t, lay):
-                    reads.append(Read(lay.offset, lay.nbytes, lay.checksum, t, i))
-                    index_of[st.shard_id] = i
-            moved = read_into(str(reader.path), reads)
-            moved.fence()
-            bad = set(moved.failed) | set(moved.short)
-            for sid, i in index_of.items():
-                if i in bad:
-                    # the load exchange brings it from another rank (it overwrites the target)
-                    logger.warning(
-                        "%s: shard %s fails its checksum; fetching it from a peer", cid.stem(), sid
-                    )
-                else:
-                    filled[sid] = wanted[sid]
+            metas = MCoreTensorAwareStateDict.saved_metadata_from_bytes(reader.header.meta, allow_pickle)
         except (StoreError, OSError) as e:
             logger.warning("cannot read %s for local shards: %s", cid.stem(), e)
+            continue
+        copy = _NodeCopy(cid, str(reader.path), [], {})
+        for i, (lay, st) in enumerate(zip(reader.header.tensors, metas)):
+            t = wanted.get(st.shard_id)
+            if st.shard_id not in taken and _fits(t, lay):
+                copy.reads.append(Read(lay.offset, lay.nbytes, lay.checksum, t, i))
+                copy.shard_of[i] = st.shard_id
+                taken.add(st.shard_id)
+        if copy.reads:
+            out.append(copy)
+    return out
+
+
+def _node_shards_read(copies: Sequence[_NodeCopy], moved: Sequence[Moved], wanted) -> Dict[Any, torch.Tensor]:
+    """Shard id -> its target, for every read of ``copies`` that arrived whole and verified; the
+    load exchange brings the others from another rank (it overwrites the target)."""
+    filled: Dict[Any, torch.Tensor] = {}
+    for copy, m in zip(copies, moved):
+        m.fence()
+        bad = set(m.failed) | set(m.short)
+        for i, sid in copy.shard_of.items():
+            if i in bad:
+                logger.warning(
+                    "%s: shard %s fails its checksum; fetching it from a peer", copy.cid.stem(), sid
+                )
+            else:
+                filled[sid] = wanted[sid]
     return filled
 
 

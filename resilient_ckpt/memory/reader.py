@@ -35,11 +35,22 @@ class CheckpointReader:
         — ordered before the current stream's later work) through :mod:`.transfer`, verified on
         the way unless ``verify=False``. Returns the indices failing their checksum; raises
         CorruptCheckpointError if the file ends early."""
-        reads = [
+        moved = transfer.read_into(str(self.path), self.reads(dests, verify))
+        return self.check(moved)
+
+    def reads(self, dests: Sequence[Optional[torch.Tensor]], verify: bool = True) -> List[Read]:
+        """The :class:`.transfer.Read` of each stored tensor into its ``dests`` entry (None:
+        not read), for moving this file's tensors together with other files'."""
+        return [
             Read(lay.offset, lay.nbytes, lay.checksum if verify else None, dst, i)
             for i, (lay, dst) in enumerate(zip(self.header.tensors, dests))
+            if dst is not None
         ]
-        moved = transfer.read_into(str(self.path), reads)
+
+    def check(self, moved: transfer.Moved) -> List[int]:
+        """What :meth:`read_into` returns for a move of :meth:`reads`: the indices failing their
+        checksum, after CUDA copies are ordered before the current stream's later work; raises
+        CorruptCheckpointError if the file ended early."""
         if moved.short:
             raise CorruptCheckpointError(f"{self.path}: short read of tensors {moved.short[:8]}")
         moved.fence()

@@ -64,13 +64,9 @@ class Segment:
         """Drop ``[offset, offset + nbytes)`` from this process's page tables (MADV_DONTNEED on
         a shared file mapping: the bytes stay in the store, the process's resident set shrinks;
         touching them again maps them back). No-op while page-locked for CUDA."""
-        if self._mmap is None or self.pinned or nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
+        if self._mmap is None or self.pinned:
             return
-        page = mmap.PAGESIZE
-        start = offset // page * page
-        end = min(self.nbytes, -(-(offset + nbytes) // page) * page)
-        if end > start:
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+        drop_pages(self._mmap, offset, nbytes, self.nbytes)
 
     def populate_pages(self, offset: int, nbytes: int) -> None:
         """Map ``[offset, offset + nbytes)`` into this process's page tables now
@@ -116,3 +112,17 @@ class Segment:
     def __del__(self):
         with contextlib.suppress(Exception):
             self.close()
+
+
+def drop_pages(mapping: Optional[mmap.mmap], offset: int, nbytes: int, length: int) -> None:
+    """Drop ``[offset, offset + nbytes)`` of a shared file ``mapping`` of ``length`` bytes from
+    this process's page tables (MADV_DONTNEED: the bytes stay in the store's file, the resident
+    set shrinks; touching them again maps them back) — a send from a mapping keeps the sender's
+    resident set about one chunk above its own state instead of growing by the whole file."""
+    if mapping is None or nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = offset // page * page
+    end = min(length, -(-(offset + nbytes) // page) * page)
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)

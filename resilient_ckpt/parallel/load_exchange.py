@@ -74,6 +74,8 @@ class LoadOptions:
     return_mismatch_keys: bool
     load_into_template: bool
     same_structure: bool
+    #: with ``same_structure``: every rank holds all it needs (agreed by the caller)
+    held_everywhere: bool = False
 
 
 def load_into(
@@ -121,7 +123,13 @@ def _fill_same_structure(ckpt: HeldCheckpoint, template, opts: LoadOptions, grou
     the shards ranks lack are looked up — one gather of them and (only if any) one of who holds
     them; from SHARDED_PLANNING_MIN_WORLD ranks, planned by key instead
     (``plan_exchange_sharded``: each rank's traffic is its own needs and holdings)."""
-    if use_sharded_planning(n):
+    if opts.held_everywhere:
+        req, plan = _prepare_load(ckpt, template, opts), ExchangePlan((), {})
+        exchange_algo = req.exchange_algo
+        lacking = [st.shard_id for st in req.template_shards if st.shard_id not in req.held]
+        if lacking:  # the caller's agreement says otherwise: a bug, not a user error
+            raise AssertionError(f"held_everywhere, but this rank lacks shards {lacking[:4]}")
+    elif use_sharded_planning(n):
         req, plan = _plan_same_structure_sharded(ckpt, template, opts, group)
         exchange_algo = "p2p"  # each rank knows its own transfers only
     else:

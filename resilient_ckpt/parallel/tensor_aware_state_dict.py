@@ -464,6 +464,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         extra_held: Optional[Dict[Any, torch.Tensor]] = None,
         validation_group: Optional[dist.ProcessGroup] = None,
         same_structure: bool = False,
+        held_everywhere: bool = False,
     ):
         """Fill ``sharded_state_dict`` (the template) with this checkpoint's data.
 
@@ -477,6 +478,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         ``fully_parallel``): :func:`check_restorable` returned ``SAME_STRUCTURE`` for this
         template on every rank, so keys, shapes, dtypes and objects match by construction and
         only the shards ranks lack are looked up (nothing travels when every rank has its own).
+        ``held_everywhere`` (our extension, with ``same_structure``): the caller agreed with every
+        rank that each holds every shard its template asks for — not even that lookup runs
+        (no collective at all).
 
         With ``fully_parallel``, shards this rank did not save come from the ranks of
         ``parallelization_group`` that did. One metadata all-gather (over the world when
@@ -496,6 +500,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 return_mismatch_keys=return_mismatch_keys,
                 load_into_template=load_into_template,
                 same_structure=same_structure,
+                held_everywhere=held_everywhere and same_structure,
             ),
             collectives.default_group(parallelization_group),
             validation_group,

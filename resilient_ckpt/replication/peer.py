@@ -9,6 +9,7 @@ in), so its partners learn it at once instead of after the transport timeout.
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -17,7 +18,7 @@ import torch
 
 from ..errors import ReplicationError, StoreError
 from ..memory.layout import CheckpointHeader, CheckpointId
-from ..memory.segment import Segment
+from ..memory.segment import Segment, drop_pages
 from ..memory.store import CheckpointStore
 from .healing import Repair
 from .placement import Placement
@@ -166,12 +167,18 @@ class PeerReplicator:
             try:
                 reader = self.store.open(cid)
                 raw = self.store.header_path(cid).read_bytes()
-                if reader.header.data_nbytes:
-                    m, buf = reader.map(populate=True)
+                n = reader.header.data_nbytes
+                release = None
+                if n:
+                    # Not populated, and each chunk dropped from the page tables once sent:
+                    # healing runs right after a restore, and mapping whole files would count
+                    # them in the trainer's resident set (as replicate() avoids for saves).
+                    m, buf = reader.map(populate=False)
                     maps.append(m)
+                    release = functools.partial(drop_pages, m, length=n)
                 else:
                     buf = torch.empty(0, dtype=torch.uint8)
-                outgoing.append(Outgoing(r.dest, raw, buf))
+                outgoing.append(Outgoing(r.dest, raw, buf, on_chunk=release))
             except (StoreError, OSError) as e:
                 # Still take part (an empty header tells the receiver at once).
                 logger.warning("cannot send %s to rank %d for healing: %s", cid.stem(), r.dest, e)
