@@ -399,9 +399,9 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
             g = dist.new_group(
                 list(ranks), timeout=timedelta(seconds=self.timeout_s), backend=self.replication_backend
             )
-            collectives.note_timeout(g, self.timeout_s)
             if list(ranks) == mine:
                 out = g
+        collectives.note_timeout(out, self.timeout_s)
         return out
 
     def _persistent_tier(self):
