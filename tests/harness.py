@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from resilient_ckpt.bench.fabric import Fabric, NodeNet, join
+from resilient_ckpt.ports import free_port
 
 
 class _Killed:
@@ -32,12 +32,6 @@ class _Killed:
 
 
 KILLED = _Killed()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

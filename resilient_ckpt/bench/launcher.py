@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import re
-import socket
 import threading
 import time
 import traceback
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import CheckpointingException, ValidationError
+from ..ports import free_port
 from .fabric import Fabric, NodeNet, join
 
 _NOISE = (
@@ -74,12 +74,6 @@ class RankContext:
 
 def node_store_root(tmp_root: str, node: int) -> str:
     return str(Path(tmp_root) / f"node{node}")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # resilient_ckpt first: it silences torch's pynvml warning before torch is imported. The

@@ -36,13 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..ports import free_port
 
 
 @dataclass
@@ -104,7 +98,7 @@ class Demo:
         (starting 4 fresh interpreters costs ~12 s of imports on 2 cores). ``nodes``: the
         launch's node count (default ``--nodes``)."""
         ctx = _mp_context()
-        port = _free_port()
+        port = free_port()
         launch = Launch(name, started=time.time())
         events = ctx.Queue()
         launch.controls = []

@@ -9,22 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ..ports import free_port
 from .client import DaemonClient
 from .wire import Authenticator, load_secret, write_secret_file
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 #: the daemons' port on nodes with addresses of their own (each node's namespace is fresh)
 NODE_PORT = 7465
@@ -52,7 +45,7 @@ class LocalDaemonCluster:
         self.secret_file = self.workdir / f"{session}.secret"
         write_secret_file(self.secret_file)
         if hosts is None:
-            self.endpoints: List[str] = [f"tcp://127.0.0.1:{_free_port()}" for _ in self.roots]
+            self.endpoints: List[str] = [f"tcp://127.0.0.1:{free_port()}" for _ in self.roots]
         else:
             self.endpoints = [f"tcp://{h}:{NODE_PORT}" for h in hosts]
         self.wrap = wrap
