@@ -199,7 +199,7 @@ class Demo:
         ref_losses = _losses(ref.events)
         run1, t_fail = self._faulty_run(victims)
         run1_losses = _losses(run1.events)
-        last_step = max(run1_losses)
+        last_step = _failure_step(run1.events)
         run2, t_restart = self._restart(victims)
         restored = self._check_restores(run2, t_restart)
         resumed = _resumed_step(restored)
@@ -226,7 +226,7 @@ class Demo:
             f"{self.restart_nodes} node(s) × {a.ranks_per_node} = {m} ranks, no replacement"
         )
         run1, t_fail = self._faulty_run(victims)
-        last_step = max(_losses(run1.events))
+        last_step = _failure_step(run1.events)
         # the same checkpoint, for the comparison job: a copy of every surviving store now
         shutil.copytree(self.base / "faulty", self.base / "same-checkpoint")
         self.log(f"restarting on {m} ranks: restore resharded from the survivors' memory ...")
@@ -478,6 +478,13 @@ def _rank_main(argv, env, events, control) -> None:
 
 def _losses(events) -> Dict[int, float]:
     return {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["rank"] == 0}
+
+
+def _failure_step(events) -> int:
+    """The step the failure came after: where the victims paused. (Rank 0's own report of that
+    step may still be on its way when the survivors are stopped — the known flake where the
+    demo said 18 instead of 19.)"""
+    return max(e["step"] for e in events if e["event"] == "paused")
 
 
 def _resumed_step(restored: List[dict]) -> int:
