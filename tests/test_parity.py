@@ -86,6 +86,34 @@ def test_codes_decode_any_lost_data_share_from_any_k_shares(k, m, words, data):
         assert torch.equal(out, blocks[want])
 
 
+def test_reed_solomon_codes_in_a_forked_child_of_a_process_that_coded():
+    # A trainer that coded parity, then forked (a checkpoint writer, a data loader worker):
+    # the child has none of the parent's coding threads and must still code, not hang.
+    import multiprocessing as mp
+
+    k, m, size = 2, 2, 3 * erasure._CHUNK + 8
+    blocks = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(k)]
+    parent = torch.empty(size, dtype=torch.uint8)
+    erasure.encode(k, m, blocks, 0, parent)  # the parent's pool now has threads
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_encode_in_child, args=(k, m, blocks, q))
+    child.start()
+    try:
+        got = q.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.uint8), parent)
+
+
+def _encode_in_child(k, m, blocks, q):
+    out = torch.empty(blocks[0].numel(), dtype=torch.uint8)
+    erasure.encode(k, m, blocks, 0, out)
+    q.put(out.numpy().tobytes())
+
+
 def test_bad_options_are_refused_with_the_fix():
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 

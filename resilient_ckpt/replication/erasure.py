@@ -13,8 +13,9 @@ Share numbers follow zfec: ``0..k-1`` data blocks, ``k..k+m-1`` parity blocks.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Mapping, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
@@ -22,9 +23,26 @@ from ..errors import ReplicationError
 
 #: bytes coded per task (zfec): small enough to spread over the pool, large enough to stream
 _CHUNK = 4 << 20
-_POOL = ThreadPoolExecutor(
-    max_workers=max(1, min(4, torch.get_num_threads())), thread_name_prefix="rc-erasure"
-)
+_POOL: Optional[ThreadPoolExecutor] = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The coding threads, made on first use and again in a forked child (which has none of the
+    parent's threads: an inherited pool would queue work forever)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(1, min(4, torch.get_num_threads())), thread_name_prefix="rc-erasure"
+        )
+    return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +92,7 @@ def encode(k: int, m: int, data: Sequence[torch.Tensor], index: int, out: torch.
         (block,) = enc.encode(tuple(memoryview(a[sl]) for a in arrays), (k + index,))
         dest[sl] = memoryview(block)
 
-    list(_POOL.map(one, _chunks(out.numel())))
+    list(_pool().map(one, _chunks(out.numel())))
 
 
 def decode(k: int, m: int, shares: Mapping[int, torch.Tensor], want: int, out: torch.Tensor) -> None:
@@ -99,4 +117,4 @@ def decode(k: int, m: int, shares: Mapping[int, torch.Tensor], want: int, out: t
         blocks = dec.decode(tuple(memoryview(a[sl]) for a in arrays), nums)
         dest[sl] = memoryview(blocks[want])
 
-    list(_POOL.map(one, _chunks(out.numel())))
+    list(_pool().map(one, _chunks(out.numel())))
