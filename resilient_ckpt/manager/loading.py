@@ -242,8 +242,10 @@ class LoadPath:
         ``extra``), the template being of the checkpoint's agreed structure."""
         if not self._same_structure_checked(template):
             return False
-        held = tasd.held(extra).held
-        return all(st.shard_id in held for st in template.shards)
+        # The shard ids of what to_state_dict will hold (tasd.held(extra)), without its walk of
+        # the tree for objects and keys: the fill makes that walk once anyway.
+        saved = {st.shard_id for st in tasd.tensor_metadata}
+        return all(st.shard_id in saved or st.shard_id in extra for st in template.shards)
 
     def _fill(self, tasd, template, strict, extra, held_everywhere: bool = False):
         """The template filled through the load exchange (collective; this manager's groups,
