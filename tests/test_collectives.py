@@ -81,3 +81,28 @@ def test_a_peer_closing_its_connection_at_the_groups_timeout_is_a_timeout_on_eve
         collectives.forget_timeout(group)
     unknown = collectives._wrap(RuntimeError("Connection closed by peer"), "x", object(), elapsed=1e6)
     assert type(unknown) is CheckpointingException  # no timeout known: the words decide
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    outcomes=st.lists(st.sampled_from([True, False, "error"]), min_size=1, max_size=6), me=st.integers(0, 5)
+)
+def test_a_vote_carried_in_another_gather_decides_as_agree_or_fail_would(outcomes, me):
+    """Every rank's vote (yes, no, or its error) gathered by another collective: no if any voted
+    no, else yes; any error stops every rank — the failing one with its own exception, the
+    others naming the first failing rank and its error."""
+    from resilient_ckpt.errors import PeerFailedError
+
+    me = me % len(outcomes)
+    errors = {r: KeyError(f"shard {r}") for r, o in enumerate(outcomes) if o == "error"}
+    votes = [collectives.vote(errors.get(r), o is True) for r, o in enumerate(outcomes)]
+    if me in errors:
+        with pytest.raises(KeyError, match=f"shard {me}"):
+            collectives.agreed(votes, errors[me], "restoring")
+    elif errors:
+        first = min(errors)
+        with pytest.raises(PeerFailedError, match=f"restoring failed on rank {first}") as e:
+            collectives.agreed(votes, None, "restoring")
+        assert e.value.rank == first and e.value.reason == f"KeyError: 'shard {first}'"
+    else:
+        assert collectives.agreed(votes, None, "restoring") is all(outcomes)

@@ -356,6 +356,58 @@ def test_a_restore_failing_its_checks_on_one_rank_leaves_every_rank_untouched(tm
         assert seconds < 2 * TIMEOUT_S and world_ok
 
 
+class _Schedule:
+    """A trainer value of a type the codec learns through register_type."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+
+
+def _learn_schedule() -> None:
+    from resilient_ckpt.model.codec import register_type
+
+    register_type(_Schedule, "tests.ft.Schedule", lambda s: s.warmup, _Schedule)
+
+
+def _save_with_schedule(ctx):
+    _learn_schedule()
+    m = _manager(ctx)
+    state = _sd(ctx.rank, 12)
+    state["schedule"] = _Schedule(100 + ctx.rank)
+    m.save_local(state, 12).wait()
+    m.close()
+
+
+def _restore_without_schedule(ctx, culprit):
+    if ctx.rank != culprit:  # the culprit's restarted process forgot to register the type
+        _learn_schedule()
+    m = _manager(ctx)
+    t = time.monotonic()
+    try:
+        state, it = m.load_local()  # the checkpoint's own structure: decoded at the fill
+        outcome = f"restored {it}: {state['schedule'].warmup}"
+    except PeerFailedError as e:
+        outcome = f"PeerFailedError rank {e.rank}: {e}"
+    except CheckpointingException as e:
+        outcome = f"{type(e).__name__}: {e}"
+    m.close()
+    return outcome, time.monotonic() - t, _world_sum_works(ctx)
+
+
+def test_a_checkpoint_one_rank_cannot_decode_fails_the_restore_on_every_rank_naming_it(tmp_root):
+    """The decode's vote rides in the retrieval's gather: a rank that cannot rebuild its state
+    dict still stops every rank together, the others naming it, and the job's group works."""
+    run_ranks(_save_with_schedule, WS, tmp_root, ranks_per_node=RPN, **RUN)
+    out = run_ranks(_restore_without_schedule, WS, tmp_root, ranks_per_node=RPN, args=(2,), **RUN)
+    for rank, (outcome, seconds, world_ok) in enumerate(out):
+        if rank == 2:
+            assert outcome.startswith("CheckpointingException") and "could not rebuild" in outcome, outcome
+        else:
+            assert outcome.startswith("PeerFailedError rank 2") and "could not rebuild" in outcome, outcome
+        assert "register_type" in outcome and "tests.ft.Schedule" in outcome, outcome
+        assert seconds < 2 * TIMEOUT_S and world_ok
+
+
 # ---- 6. a restarted job that does not restore never gets the earlier run's state back -----------
 
 

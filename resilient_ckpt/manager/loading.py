@@ -53,6 +53,20 @@ class _Request:
     targets: Dict[Any, torch.Tensor] = field(default_factory=dict)
     failure: Optional[BaseException] = None  # a local failure, raised together later
     t0: float = field(default_factory=time.perf_counter)
+    #: the fill's inputs, prepared while the retrieval's gather was pending (``_FillInputs``)
+    fill: Any = None
+
+
+@dataclass
+class _FillInputs:
+    """What the fill needs from one retrieved copy, and this rank's part of its vote."""
+
+    retrieved: Retrieved
+    tasd: Optional[MCoreTensorAwareStateDict]
+    extra: Dict[Any, torch.Tensor]
+    holds_all: bool
+    error: Optional[BaseException]
+    decode_error: Optional[BaseException]
 
 
 class LoadPath:
@@ -203,25 +217,26 @@ class LoadPath:
         """Stage 4: the checkpoint decoded, the shards this rank did not save found (replicas
         in the node's store, else the load exchange), the template filled; then healing, and
         the next save's segment made ahead."""
-        tasd, local = self._decode_here(retrieved, iteration)
-        extra: Dict[Any, torch.Tensor] = {}
-        holds_all = False
-        if local is None:
-            try:
-                extra = self._extra_shards(retrieved)
-                holds_all = self._holds_template(tasd, req.template, extra)
-            except Exception as e:
-                local = e
+        f, req.fill = req.fill, None
+        if f is None or f.retrieved is not retrieved:
+            f = self._fill_inputs(retrieved, iteration, req)
+        elif retrieved.notes is None:
+            # Later attempts served other copies: the extra shards are found again (the
+            # decoded copy is this rank's same one).
+            f = self._fill_inputs(retrieved, iteration, req, decoded=(f.tasd, f.decode_error))
         # One vote for these steps: every rank decoded and found its extra shards, or all
         # stop; and whether every rank holds all its template asks for (no exchange at all).
-        held_everywhere = collectives.agree_or_fail(
-            local, holds_all, f"restoring iteration {iteration}", self._control_group()
-        )
+        # Usually it rode in the retrieval's gather (no collective here).
+        what, control = f"restoring iteration {iteration}", self._control_group()
+        if retrieved.notes is not None:
+            held_everywhere = collectives.agreed(retrieved.notes, f.error, what, control)
+        else:
+            held_everywhere = collectives.agree_or_fail(f.error, f.holds_all, what, control)
         t1 = time.perf_counter()
-        state = self._fill(tasd, req.template, req.strict, extra, held_everywhere)
+        state = self._fill(f.tasd, req.template, req.strict, f.extra, held_everywhere)
         state = _unborrow(state, retrieved.borrowed_storages())
         own_nbytes = retrieved.header.data_nbytes if retrieved.header is not None else 0
-        del tasd, retrieved, extra
+        del f, retrieved
         self._heal_after_restore()
         # The next save is of this size, usually: its segment is made (GPU state: locked) now.
         self.prepare_next_segment(own_nbytes, any(t.is_cuda for t in req.targets.values()))
@@ -231,6 +246,34 @@ class LoadPath:
         logger.info("rank %d restored iteration %d from %s (rank %d) in %.3fs",
                     self.rank, iteration, m.source, m.source_rank, m.total_s)  # fmt: skip
         return state, iteration
+
+    def _fill_inputs(
+        self, retrieved: Retrieved, iteration: int, req: "_Request", decoded=None
+    ) -> _FillInputs:
+        """Decode the copy (unless ``decoded``: its earlier ``(tasd, error)``), find the extra
+        shards, see whether this rank holds all its template asks for; an error is kept to be
+        raised with every rank's vote."""
+        tasd, failed = decoded if decoded is not None else self._decode_here(retrieved, iteration)
+        local = failed
+        extra: Dict[Any, torch.Tensor] = {}
+        holds_all = False
+        if local is None:
+            try:
+                extra = self._extra_shards(retrieved)
+                holds_all = self._holds_template(tasd, req.template, extra)
+            except Exception as e:
+                local = e
+        return _FillInputs(retrieved, tasd, extra, holds_all, local, failed)
+
+    def _fill_vote(self, iteration: int, req: "_Request") -> Callable[[Retrieved], Any]:
+        """``retrieve``'s note: the fill's inputs prepared right after the move (the faster
+        ranks while they wait for the slower), its vote carried by the retrieval's gather."""
+
+        def note(retrieved: Retrieved) -> Any:
+            req.fill = self._fill_inputs(retrieved, iteration, req)
+            return collectives.vote(req.fill.error, req.fill.holds_all)
+
+        return note
 
     def _same_structure_checked(self, template) -> bool:
         """``template`` passed the agreed check as the checkpoint's own structure (every rank)."""
@@ -437,15 +480,14 @@ class LoadPath:
             self.store.sweep_orphans()
         except OSError as e:  # housekeeping: must not keep this rank from the collectives below
             logger.warning("could not recycle leftovers in %s: %s", self.store.dir, e)
-        retrieved, iteration, holdings = self._first_restorable(
-            complete, holdings, borrow, req.targets, req.template, req.strict
-        )
+        retrieved, iteration, holdings = self._first_restorable(complete, holdings, borrow, req)
         self._adopt(retrieved, iteration, holdings, complete)
         return retrieved, iteration
 
-    def _first_restorable(self, complete, holdings, borrow, targets, template, strict):
+    def _first_restorable(self, complete, holdings, borrow, req: "_Request"):
         """Retrieve the newest complete iteration whose copies verify; older ones if not
         (decided from gathered facts, so every rank falls back together)."""
+        targets, template, strict = req.targets, req.template, req.strict
         control = self._control_group()
         last_error: Optional[BaseException] = None
         for iteration in complete:
@@ -478,6 +520,7 @@ class LoadPath:
                     targets=targets,
                     decoded=decoded,
                     allow_pickle=self.options.allow_pickle,
+                    note=self._fill_vote(iteration, req) if borrow else None,
                 )
                 return retrieved, iteration, holdings
             except (CorruptCheckpointError, NoReplicaError) as e:

@@ -14,7 +14,7 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -221,6 +221,9 @@ class Retrieved:
     #: borrow mode, the node's own copy: template shards this rank did not save, read in the
     #: same move from other owners' copies in its node's store (shard id -> filled target)
     node_shards: Dict[Any, torch.Tensor] = field(default_factory=dict)
+    #: every rank's value of ``retrieve(note=...)``, in rank order, when the first attempt
+    #: went well everywhere (the values rode in its gather); else None
+    notes: Optional[List[Any]] = None
 
     def borrowed_storages(self) -> Set[int]:
         """Storage addresses of the store mappings this retrieval's tensors view: tensors on
@@ -245,6 +248,7 @@ def retrieve(
     targets: Optional[Mapping[Any, torch.Tensor]] = None,
     decoded: Optional[Mapping[int, Any]] = None,
     allow_pickle: bool = False,
+    note: Optional[Callable[[Retrieved], Any]] = None,
 ) -> Retrieved:
     """Bring this rank's checkpoint of ``iteration`` into memory, verified.
 
@@ -257,6 +261,9 @@ def retrieve(
     tensors of the node's own copy are read straight into them — one copy, no new pages.
     ``decoded``: owner -> its hollow state dict, already decoded by the caller (not again).
     ``allow_pickle``: the manager's opt-in, for decoding headers here.
+    ``note``: called on this rank's retrieved copy right after its move, before the attempt's
+    gather, which carries its value (msgpack-able; it must not raise) to every rank: a caller's
+    next vote then needs no collective of its own (``Retrieved.notes``).
 
     Local-first, then the least-loaded remote holder; copies failing their checksum are
     excluded and the plan is redone on every rank together.
@@ -275,11 +282,13 @@ def retrieve(
         at = _Attempt(
             store, holdings, iteration, me, borrow, serving, targets or {}, decoded or {}, allow_pickle
         )
-        result, all_failed = _run_attempt(at, plan, transport, group)
+        result, all_failed, notes = _run_attempt(at, plan, transport, group, note if attempt == 1 else None)
         if result is not None and done is None:
             result.attempts = attempt
             done = result
         if not all_failed:
+            if notes is not None and done is result:
+                done.notes = notes
             break
         failed_log.extend(sorted(all_failed))
         exclude |= _node_copies(all_failed, holdings, world_size)
@@ -316,19 +325,29 @@ def _node_copies(failed: Set[Tuple[int, int]], holdings: Holdings, world_size: i
     }
 
 
-def _run_attempt(at: "_Attempt", plan, transport, group):
+def _run_attempt(at: "_Attempt", plan, transport, group, note=None):
     """One retrieval attempt on every rank: run the plan, then learn (one gather) which
-    copies failed anywhere. Returns (this rank's result or None, failed (source, owner))."""
+    copies failed anywhere, with every rank's ``note`` of its result (see :func:`retrieve`).
+    Returns (this rank's result or None, failed (source, owner), every rank's note or None)."""
     local_exc: Optional[BaseException] = None
     failures: List[Tuple[int, int]] = []
+    mine = None
     try:
         result, failures = _execute(at, plan, transport)
+        if note is not None and result is not None and not failures:
+            result.serving, result.decoded = at.serving, at.decoded
+            mine = note(result)
     except Exception as e:  # e.g. a peer died mid-transfer: every rank stops together
         local_exc, result = e, None
     gathered = collectives.gather_or_fail(
-        [list(f) for f in failures], local_exc, f"retrieving iteration {at.iteration}", group
+        {"f": [list(f) for f in failures], "n": mine},
+        local_exc,
+        f"retrieving iteration {at.iteration}",
+        group,
     )
-    return result, {(int(s), int(o)) for per in gathered for s, o in per}
+    notes = [g["n"] for g in gathered]
+    failed = {(int(s), int(o)) for g in gathered for s, o in g["f"]}
+    return result, failed, (notes if all(n is not None for n in notes) else None)
 
 
 @dataclass

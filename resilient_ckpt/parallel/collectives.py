@@ -269,6 +269,22 @@ def agree_or_fail(
     raise AssertionError("unreachable: a rank voted failure without an error")  # pragma: no cover
 
 
+def vote(local: Optional[BaseException], agree: bool) -> List[Any]:
+    """This rank's part of :func:`agree_or_fail` as a value (msgpack-able) that another
+    collective carries: decided by :func:`agreed` once every rank's is gathered."""
+    return [describe(local) if local is not None else "", bool(agree)]
+
+
+def agreed(
+    votes: Sequence[Any], local: Optional[BaseException], what: str, group: Optional[dist.ProcessGroup] = None
+) -> bool:
+    """:func:`agree_or_fail`'s outcome from every rank's :func:`vote` (group-rank order),
+    already gathered by another collective: the same decision and the same errors on every
+    rank, with no collective of its own."""
+    _raise_together([v[0] for v in votes], what, local, group)
+    return all(v[1] for v in votes)
+
+
 def gather_or_fail(
     payload: Any,
     local: Optional[BaseException],
