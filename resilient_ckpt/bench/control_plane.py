@@ -608,6 +608,10 @@ def _ours_restore_rank(ctx, spec: RealSpec) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from ..manager.restore import _scan_holdings
+    from ..memory.layout import CheckpointId
+    from ..parallel.load_checks import same_structure
+    from ..parallel.template import prepare_template
+    from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
     from .launcher import quiet
 
     quiet()
@@ -616,9 +620,15 @@ def _ours_restore_rank(ctx, spec: RealSpec) -> Dict[str, Any]:
     )
     template = tmpl.sharded_state_dict()
     mgr = _manager(ctx)
-    holdings_payload = len(
-        msgpack.packb({"e": "", "p": _scan_holdings(mgr.store, ctx.world_size)}, use_bin_type=True)
+    # What gather_holdings sends: the store listing, and the structure vote riding along
+    # (the newest own iteration, and whether the template has its saved structure).
+    local = _scan_holdings(mgr.store, ctx.world_size)
+    newest = max(c.iteration for c in mgr.store.list() if c.owner == ctx.rank)
+    saved = MCoreTensorAwareStateDict.from_bytes(
+        mgr.store.read_header(CheckpointId(newest, ctx.rank, mgr.session_id)).meta
     )
+    local["note"] = [newest, same_structure(prepare_template(template), saved)]
+    holdings_payload = len(msgpack.packb({"e": "", "p": local}, use_bin_type=True))
     dist.barrier()
     cprof = _profiled(spec, ctx.rank)
     with PhaseProfiler() as prof, cprof:

@@ -27,7 +27,7 @@ from ..memory.layout import CheckpointId
 from ..model.nested import map_leaves
 from ..model.validation import StrictHandling
 from ..parallel import collectives
-from ..parallel.load_checks import RestoreCheck, check_restorable
+from ..parallel.load_checks import RestoreCheck, check_restorable, same_structure
 from ..parallel.opaque_state_dict import is_opaque, load_opaque
 from ..parallel.template import prepare_template, template_targets
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
@@ -55,6 +55,9 @@ class _Request:
     t0: float = field(default_factory=time.perf_counter)
     #: the fill's inputs, prepared while the retrieval's gather was pending (``_FillInputs``)
     fill: Any = None
+    #: (iteration, hollow state dict) of this rank's newest own checkpoint in its node's store,
+    #: decoded for the structure vote that rides in the holdings gather
+    own: Optional[Tuple[int, MCoreTensorAwareStateDict]] = None
 
 
 @dataclass
@@ -73,8 +76,8 @@ class LoadPath:
     """``find_latest``, ``load_local`` and nvidia-resiliency-ext's ``load`` (mixed into
     ``CheckpointManager``)."""
 
-    def _holdings(self, failure: Optional[BaseException] = None) -> Holdings:
-        return gather_holdings(self.store, self._control_group(), self.world_size, failure)
+    def _holdings(self, failure: Optional[BaseException] = None, note: Any = None) -> Holdings:
+        return gather_holdings(self.store, self._control_group(), self.world_size, failure, note)
 
     def find_latest(self) -> int:
         """Newest iteration whose every rank's data is held somewhere (collective); -1 if none."""
@@ -185,7 +188,7 @@ class LoadPath:
         ``memory_only``: this world size's checkpoints in memory, nothing else (the
         reference's ``load``)."""
         self.wait_for_saves()
-        holdings = self._holdings(req.failure)
+        holdings = self._holdings(req.failure, self._structure_note(req))
         complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         elastic = None if memory_only else self._elastic_choice(holdings, complete[0] if complete else -1)
         durable = None
@@ -196,6 +199,26 @@ class LoadPath:
                 latest = tier.agreed_latest()  # collective over the tier's group
                 durable = latest.iteration if latest is not None else None
         return plan_restore(holdings, complete, elastic, durable)
+
+    def _structure_note(self, req: "_Request") -> Optional[List[Any]]:
+        """``[iteration, same]``: whether the template has the structure of this rank's newest
+        own checkpoint in its node's store (a restart's usual case). Carried by the holdings
+        gather: when every rank says so for the iteration restored, that is the template check's
+        verdict, with no collective of its own (``_check_template``). None: nothing to say."""
+        if req.template is None or req.failure is not None:
+            return None
+        try:
+            newest = max((c.iteration for c in self.store.list() if c.owner == self.rank), default=None)
+            if newest is None:
+                return None
+            header = self.store.read_header(CheckpointId(newest, self.rank, self.session_id))
+            own = self._hollow(header.meta)
+            same = same_structure(req.template, own)
+        except Exception as e:  # the full check decides (and reports what is wrong)
+            logger.debug("no structure vote before the holdings gather: %s", e)
+            return None
+        req.own = (newest, own)
+        return [newest, bool(same)]
 
     def _restore_resharded(self, plan: RestorePlan, req: "_Request") -> Tuple[Any, int]:
         template = req.template
@@ -322,14 +345,24 @@ class LoadPath:
         return extra
 
     def _check_template(
-        self, holdings: Holdings, iteration: int, template: Any, strict
+        self, holdings: Holdings, iteration: int, template: Any, strict, own=None
     ) -> Dict[int, MCoreTensorAwareStateDict]:
         """Collective: raise on every rank, before anything is read into ``template``, if
         restoring ``iteration`` into it would fail a check (keys, shapes, dtypes, layout).
         Each rank vouches for the checkpoints the retrieval plan has it serve, read from its
         node's store (headers only); if any rank cannot read one, the checks run later, as
         part of the load, instead. Returns the hollow state dicts it decoded, by owner (the
-        retrieval reuses them)."""
+        retrieval reuses them).
+
+        No collective when every rank's structure vote in the holdings gather says its
+        template has the structure of its own checkpoint of ``iteration`` (``own``: this
+        rank's decoded, from ``_structure_note``): the verdict ``check_restorable`` reaches
+        first, from the same facts."""
+        if own is not None and own[0] == iteration and holdings.notes:
+            if all(n is not None and n[0] == iteration and n[1] for n in holdings.notes):
+                self._integrity_checked_for = template
+                self._restore_check = RestoreCheck.SAME_STRUCTURE
+                return {self.rank: own[1]}
         decoded: Dict[int, MCoreTensorAwareStateDict] = {}
         saved: Optional[List[MCoreTensorAwareStateDict]] = None
         try:
@@ -506,7 +539,7 @@ class LoadPath:
             if template is not None:
                 # Before any byte lands in the template: a restore that cannot succeed leaves
                 # the caller's tensors untouched on every rank.
-                decoded = self._check_template(holdings, iteration, template, strict)
+                decoded = self._check_template(holdings, iteration, template, strict, req.own)
             try:
                 retrieved = retrieve(
                     self.store,

@@ -54,6 +54,8 @@ class Holdings:
     #: per rank: {(iteration, owner): world size} of this session's checkpoints saved by a job
     #: of another world size (restorable resharded, ``manager.elastic``)
     other_worlds: Tuple[Mapping[Tuple[int, int], int], ...] = ()
+    #: per rank: the ``note`` it passed to :func:`gather_holdings` (None: none)
+    notes: Tuple[Any, ...] = ()
 
     def node_of(self, rank: int) -> int:
         return self._node_index[self.store_keys[rank]]
@@ -120,16 +122,22 @@ def store_identity(store: CheckpointStore) -> str:
 
 
 def gather_holdings(
-    store: CheckpointStore, group, world_size: int, failure: Optional[BaseException] = None
+    store: CheckpointStore,
+    group,
+    world_size: int,
+    failure: Optional[BaseException] = None,
+    note: Any = None,
 ) -> Holdings:
     """One all-gather of every rank's view of its node store (headers parsed, not data).
 
     ``failure``: this rank already failed the step this gather belongs to; every rank raises
-    together (see :func:`collectives.gather_or_fail`)."""
+    together (see :func:`collectives.gather_or_fail`). ``note``: a caller's fact (msgpack-able)
+    that rides along, so a vote on it needs no collective of its own (``Holdings.notes``)."""
     local = None
     if failure is None:
         try:
             local = _scan_holdings(store, world_size)
+            local["note"] = note
         except Exception as e:  # a local problem fails every rank together, never a hang
             failure = e
     gathered = collectives.gather_or_fail(local, failure, "listing the node stores", group)
@@ -141,6 +149,7 @@ def gather_holdings(
         other_worlds=tuple(
             {(int(it), int(o)): int(w) for it, o, w in g.get("other_worlds", ())} for g in gathered
         ),
+        notes=tuple(g.get("note") for g in gathered),
     )
 
 
