@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import xxhash
 
+from ..thread_pools import LazyThreadPool
 from .checksum import byte_view, digest
 
 #: bytes moved per step: big enough for full-rate preads and H2D copies, small enough that a
@@ -111,54 +111,17 @@ class PinnedRing:
             self._cv.notify()
 
 
-_MOVERS: Optional[ThreadPoolExecutor] = None
-_MOVERS_SIZE = 0
-_MOVERS_LOCK = threading.Lock()
-
-
-def _movers(threads: int, prestart: bool = False) -> ThreadPoolExecutor:
-    """The process's reader threads, kept between calls: a restore reads the node's copy and
-    then a replica's shards, and starting threads on busy cores cost ~2 ms each (measured:
-    10 ms of a 100 ms restore at 256 MiB on 2 vCPUs). ``prestart``: a new pool starts all its
-    threads now instead of at its first submits."""
-    global _MOVERS, _MOVERS_SIZE
-    with _MOVERS_LOCK:
-        if _MOVERS is None or _MOVERS_SIZE < threads:
-            old, _MOVERS, _MOVERS_SIZE = _MOVERS, None, threads
-            if old is not None:
-                old.shutdown(wait=False)  # its running reads finish; new ones go to the larger pool
-            _MOVERS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resilient_ckpt-read")
-            if prestart:
-                # First in the new pool's queue, each task holds its thread until all have one,
-                # so every submit starts a thread (an idle one would take the next task).
-                gate = threading.Barrier(threads)
-                for _ in range(threads):
-                    _MOVERS.submit(_wait_at, gate)
-        return _MOVERS
+#: the process's reader threads, kept between calls: a restore reads the node's copy and
+#: then a replica's shards, and starting threads on busy cores cost ~2 ms each (measured: 10 ms
+#: of a 100 ms restore at 256 MiB on 2 vCPUs)
+_READERS = LazyThreadPool("resilient_ckpt-read")
 
 
 def prestart_readers(threads: int = DEFAULT_THREADS) -> None:
     """Start the reader threads now (a manager does at construction, while the process is
     idle): started by the first restore instead, each cost ~3 ms of it on 2 vCPUs busy with the
     other ranks' reads. Returns at once; a process that has them already keeps them."""
-    _movers(threads, prestart=True)
-
-
-def _wait_at(gate: threading.Barrier) -> None:
-    try:
-        gate.wait(timeout=10)
-    except threading.BrokenBarrierError:  # pragma: no cover - a thread failed to start
-        pass
-
-
-def _forget_movers() -> None:
-    # A forked child has none of the parent's threads: a pool inherited with dead workers
-    # would queue reads forever.
-    global _MOVERS, _MOVERS_SIZE, _MOVERS_LOCK
-    _MOVERS, _MOVERS_SIZE, _MOVERS_LOCK = None, 0, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_movers)
+    _READERS.get(threads, prestart=True)
 
 
 def read_into(path: str, reads: Sequence[Read], threads: int = DEFAULT_THREADS) -> Moved:
@@ -217,7 +180,7 @@ def _run(jobs: list, fn, threads: int) -> list:
                 return
             fn(job)
 
-    pool = _movers(threads)
+    pool = _READERS.get(threads)
     return [pool.submit(drain) for _ in range(min(threads, len(jobs)))]
 
 

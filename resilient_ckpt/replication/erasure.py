@@ -13,36 +13,21 @@ Share numbers follow zfec: ``0..k-1`` data blocks, ``k..k+m-1`` parity blocks.
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Sequence
 
 import torch
 
 from ..errors import ReplicationError
+from ..thread_pools import LazyThreadPool
 
 #: bytes coded per task (zfec): small enough to spread over the pool, large enough to stream
 _CHUNK = 4 << 20
-_POOL: Optional[ThreadPoolExecutor] = None
+#: the coding threads (remade in a forked child: see thread_pools)
+_CODERS = LazyThreadPool("rc-erasure")
 
 
-def _pool() -> ThreadPoolExecutor:
-    """The coding threads, made on first use and again in a forked child (which has none of the
-    parent's threads: an inherited pool would queue work forever)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(
-            max_workers=max(1, min(4, torch.get_num_threads())), thread_name_prefix="rc-erasure"
-        )
-    return _POOL
-
-
-def _forget_pool() -> None:
-    global _POOL
-    _POOL = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+def _pool():
+    return _CODERS.get(max(1, min(4, torch.get_num_threads())))
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
