@@ -25,6 +25,7 @@ from resilient_ckpt import ShardedObject, ShardedTensor
 from resilient_ckpt.errors import CheckpointingException, PeerFailedError
 from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 from resilient_ckpt.manager.hooks import CheckpointHook
+from resilient_ckpt.memory.layout import OWNER, file_stem
 from resilient_ckpt.memory.store import CheckpointStore, InvalidSessionError
 
 pytestmark = pytest.mark.multiprocess
@@ -406,6 +407,38 @@ def test_a_checkpoint_one_rank_cannot_decode_fails_the_restore_on_every_rank_nam
             assert outcome.startswith("PeerFailedError rank 2") and "could not rebuild" in outcome, outcome
         assert "register_type" in outcome and "tests.ft.Schedule" in outcome, outcome
         assert seconds < 2 * TIMEOUT_S and world_ok
+
+
+def _save_twice(ctx):
+    m = _manager(ctx, keep_last=2)
+    for step in (30, 40):
+        m.save_local(_sd(ctx.rank, step), step).wait()
+    m.close()
+
+
+def _restore_into_template(ctx):
+    m = _manager(ctx, keep_last=2)
+    template = _sd(ctx.rank, 0, fill=False)
+    state, it = m.load_local(template)
+    in_place = state["u"] is template["u"].data
+    m.close()
+    return it, _exact(state, ctx.rank, it), in_place, _world_sum_works(ctx)
+
+
+def test_a_restart_whose_newest_iteration_lost_a_rank_restores_the_previous_one_everywhere(tmp_root):
+    """Ranks whose own newest iteration differs (rank 3's copies of iteration 40 gone from
+    every store) cannot take the template check's verdict from the votes in the holdings
+    gather: the full check runs, and every rank restores iteration 30 exactly, in place."""
+    run_ranks(_save_twice, WS, tmp_root, ranks_per_node=RPN, **RUN)
+    stem = file_stem(OWNER, 40, 3)
+    lost = [
+        p for n in range(WS // RPN) for p in Path(node_store_root(str(tmp_root), n), "ft").glob(stem + ".*")
+    ]
+    assert len(lost) >= 4, lost  # its own copy and the replica on the other node: data and header
+    for p in lost:
+        p.unlink()
+    out = run_ranks(_restore_into_template, WS, tmp_root, ranks_per_node=RPN, **RUN)
+    assert out == [(30, True, True, True)] * WS
 
 
 # ---- 6. a restarted job that does not restore never gets the earlier run's state back -----------
