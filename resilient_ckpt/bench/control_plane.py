@@ -623,7 +623,7 @@ def _ours_restore_rank(ctx, spec: RealSpec) -> Dict[str, Any]:
     # What gather_holdings sends: the store listing, and the structure vote riding along
     # (the newest own iteration, and whether the template has its saved structure).
     local = _scan_holdings(mgr.store, ctx.world_size)
-    newest = max(c.iteration for c in mgr.store.list() if c.owner == ctx.rank)
+    newest = max(it for it, owner, _ in local["ids"] if owner == ctx.rank)
     saved = MCoreTensorAwareStateDict.from_bytes(
         mgr.store.read_header(CheckpointId(newest, ctx.rank, mgr.session_id)).meta
     )

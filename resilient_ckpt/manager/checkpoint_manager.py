@@ -318,7 +318,8 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         self.parity_groups = self._make_parity_groups()
 
     def _init_state(self) -> None:
-        """Threads, groups (created on first use) and the bookkeeping of saves and loads."""
+        """Threads, the slots of the groups (the constructor makes them) and the bookkeeping of
+        saves and loads."""
         self._stager = Stager()
         transfer.prestart_readers()  # a restore's reads then start at once (memory.transfer)
         # Pinned ahead only once a save staged GPU tensors (a CPU-only job on a GPU host never
@@ -378,7 +379,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         rank constructs its manager)."""
         self._persistent_tier()
         if self._group is None and dist.is_initialized() and self.world_size > 1:
-            self._connect_groups()  # closed and used again
+            self._connect_groups()  # used again after close()
         return self._group
 
     def _connect_groups(self) -> None:

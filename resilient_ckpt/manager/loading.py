@@ -8,10 +8,11 @@ template through the load exchange, then schedule healing. Every step fails toge
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -76,7 +77,7 @@ class LoadPath:
     """``find_latest``, ``load_local`` and nvidia-resiliency-ext's ``load`` (mixed into
     ``CheckpointManager``)."""
 
-    def _holdings(self, failure: Optional[BaseException] = None, note: Any = None) -> Holdings:
+    def _holdings(self, failure: Optional[BaseException] = None, note=None) -> Holdings:
         return gather_holdings(self.store, self._control_group(), self.world_size, failure, note)
 
     def find_latest(self) -> int:
@@ -188,7 +189,8 @@ class LoadPath:
         ``memory_only``: this world size's checkpoints in memory, nothing else (the
         reference's ``load``)."""
         self.wait_for_saves()
-        holdings = self._holdings(req.failure, self._structure_note(req))
+        note = functools.partial(self._structure_note, req) if req.template is not None else None
+        holdings = self._holdings(req.failure, note)
         complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         elastic = None if memory_only else self._elastic_choice(holdings, complete[0] if complete else -1)
         durable = None
@@ -200,17 +202,16 @@ class LoadPath:
                 durable = latest.iteration if latest is not None else None
         return plan_restore(holdings, complete, elastic, durable)
 
-    def _structure_note(self, req: "_Request") -> Optional[List[Any]]:
+    def _structure_note(self, req: "_Request", held: Mapping[Tuple[int, int], int]) -> Optional[List[Any]]:
         """``[iteration, same]``: whether the template has the structure of this rank's newest
-        own checkpoint in its node's store (a restart's usual case). Carried by the holdings
-        gather: when every rank says so for the iteration restored, that is the template check's
-        verdict, with no collective of its own (``_check_template``). None: nothing to say."""
-        if req.template is None or req.failure is not None:
+        own checkpoint in its node's store (``held``: the holdings scan's; a restart's usual
+        case). Carried by the holdings gather: when every rank says so for the iteration
+        restored, that is the template check's verdict, with no collective of its own
+        (``_check_template``). None: nothing to say."""
+        newest = max((it for it, owner in held if owner == self.rank), default=None)
+        if newest is None:
             return None
         try:
-            newest = max((c.iteration for c in self.store.list() if c.owner == self.rank), default=None)
-            if newest is None:
-                return None
             header = self.store.read_header(CheckpointId(newest, self.rank, self.session_id))
             own = self._hollow(header.meta)
             same = same_structure(req.template, own)

@@ -126,18 +126,20 @@ def gather_holdings(
     group,
     world_size: int,
     failure: Optional[BaseException] = None,
-    note: Any = None,
+    note: Optional[Callable[[Mapping[Tuple[int, int], int]], Any]] = None,
 ) -> Holdings:
     """One all-gather of every rank's view of its node store (headers parsed, not data).
 
     ``failure``: this rank already failed the step this gather belongs to; every rank raises
-    together (see :func:`collectives.gather_or_fail`). ``note``: a caller's fact (msgpack-able)
-    that rides along, so a vote on it needs no collective of its own (``Holdings.notes``)."""
+    together (see :func:`collectives.gather_or_fail`). ``note``: called with this rank's scan
+    (``{(iteration, owner): data bytes}`` of the usable checkpoints in its node's store); its
+    value (msgpack-able) rides along, so a vote on it needs no collective of its own
+    (``Holdings.notes``)."""
     local = None
     if failure is None:
         try:
             local = _scan_holdings(store, world_size)
-            local["note"] = note
+            local["note"] = note({(it, o): n for it, o, n in local["ids"]}) if note is not None else None
         except Exception as e:  # a local problem fails every rank together, never a hang
             failure = e
     gathered = collectives.gather_or_fail(local, failure, "listing the node stores", group)
