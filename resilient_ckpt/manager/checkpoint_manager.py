@@ -47,7 +47,7 @@ from ..replication.replicator import Replicator
 from ..replication.transport import P2PTransport
 from .async_request import LocalAsyncRequest, SaveDoneSignal, request_for
 from .elastic import ElasticLoad
-from .groups import GroupRenewal, SaveWorker
+from .groups import FailureCount, GroupRenewal, SaveWorker
 from .healing import Healing
 from .loading import LoadPath
 from .metrics import HealMetrics, LoadMetrics, SaveHandle, SaveMetrics
@@ -326,10 +326,10 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         # page-locks its segments).
         self._prefetcher = SegmentPrefetcher(self.store, pin=False)
         self._worker = SaveWorker()
-        #: group renewal after failures (manager.groups): this thread's call depth, whether this
-        #: rank's last call raised, the agreed count of failed saves the groups were renewed for
+        #: group renewal after failures (manager.groups): this thread's call depth, the failed
+        #: calls counted alike on every rank, and that count when the groups were last renewed
         self._calls = threading.local()
-        self._renew_at_next_call = False
+        self._failures = FailureCount()
         self._renewed_after_failures = 0
         self._group: Optional[dist.ProcessGroup] = None
         self._control: Optional[dist.ProcessGroup] = None

@@ -8,40 +8,51 @@ exactly that, so without renewal no save would ever complete again after the lin
 
 Renewal replaces every group the manager made (data, control, parallel: ``dist.new_group`` on
 the calling thread, in one fixed order, so every rank creates the same groups in the same
-sequence) and rebuilds the transport and the replicator on them. It happens at the start of
-``save_local`` / ``load_local`` / ``find_latest`` (the outermost call), after in-flight saves
-drained, when every rank can tell it is due:
+sequence) and rebuilds the transport and the replicator on them. ``new_group`` is collective:
+a rank that renews while another does not waits in its rendezvous while the other waits in a
+collective of the old groups, and neither returns. So **whether to renew is decided only from
+facts every rank holds alike** — the outcome of a checkpoint call, which the fail-together
+rule makes the same on every rank — never from what a rank's own exception says (the culprit
+of a failure sees its own error, the bystanders a ``PeerFailedError`` naming it: their texts
+differ, their outcome does not).
 
-* this rank's previous manager call raised because a connection of a checkpoint group broke
-  (:func:`broke_connections`: a collective or transfer timed out, a peer's connection
-  dropped, or the peer whose failure every rank raises had one of those): such a call raises
-  on every rank together (the fail-together rule), so every rank renews at its next call,
-  asking nothing of the possibly broken control group first. A call that failed for another
-  reason (a bad template, an encoding error on one rank) leaves the groups alone;
-* a save-thread job failed on every rank since the last renewal. A restore (``load_local``,
-  ``find_latest``, ``load``) drains the save thread first, so every rank counts the same failed
-  saves (a save's outcome is agreed on every rank) and decides alone; ``save_local`` does not
-  wait for the saves in flight, so it starts with one all-reduce (MIN) of this rank's count,
-  every rank learns the same number and renews together (a rank whose save thread has not
-  finished the failed save yet lags, and the renewal comes one call later).
+The rule: at the start of ``save_local`` / ``load_local`` / ``find_latest`` / ``load`` (the
+outermost call), after the saves in flight drained, every rank renews iff checkpoint calls
+failed since the last renewal (:class:`FailureCount`), counted where each failure is agreed:
 
-A renewal that cannot complete (the partition is still there: ``new_group`` times out after
-``timeout_s``) fails that call on every rank and is tried again at the next one.
+* **calls on the calling thread** (restores, ``find_latest``, a save's preparation vote, the
+  renewal check itself) fail on every rank together — a rank whose part failed still takes
+  part in the step's vote, so every rank raises at the same call (a collective that timed out
+  or lost its peer raises on every rank of it too). Each counts its failure as it raises;
+  every rank has counted it before its next call starts, with no collective needed;
+* **saves** finish on the save thread with one agreement all-reduce, which says on every rank
+  alike whether the save completed; a save that did not (the agreement said no, or could not
+  be reached) counts, on every rank, whichever part failed — including the stand-in job of a
+  rank whose own staging failed (``SavePath._fail_save``), which still votes. A restore drains
+  the save thread first, so every rank compares the same count; ``save_local`` does not wait
+  for the saves in flight, so it takes the MIN of the ranks' counts in one all-reduce (a rank
+  whose save thread is still finishing the failed save lags, and the renewal comes a call
+  later on every rank together);
+* a healing whose agreement did not say whole counts the same way.
+
+Every failure renews, whatever caused it: a failure that broke no connection (a state function
+raising, a template that does not match) costs one renewal (three ``new_group`` rendezvous,
+milliseconds) at the next call, which is the price of never asking a rank whose groups may be
+dead whether they are. A renewal that cannot complete (the partition is still there:
+``new_group`` times out after ``timeout_s``) fails that call on every rank, which counts, and
+is tried again at the next one. What no rule can make agree is a collective that completes on
+some ranks and fails on others (the link cut between the two halves of its last exchange):
+one side then counts a failure the other does not see, and the groups keep failing with
+timeouts until the job restarts (docs/architecture.md, "Process groups and failing together").
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from ..errors import (
-    CollectiveTimeoutError,
-    NoReplicaError,
-    PeerFailedError,
-    ReplicationError,
-)
 from ..parallel import collectives
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
@@ -51,22 +62,29 @@ logger = logging.getLogger(__name__)
 
 
 class SaveWorker(ThreadPoolExecutor):
-    """The save thread (``resilient_ckpt-save``); counts the jobs that raised (failed saves)."""
+    """The save thread (``resilient_ckpt-save``): saves, their agreement, healing."""
 
     def __init__(self) -> None:
         super().__init__(max_workers=1, thread_name_prefix="resilient_ckpt-save")
-        self._count_lock = threading.Lock()
-        self.failed_jobs = 0
 
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future = super().submit(fn, *args, **kwargs)
-        future.add_done_callback(self._count)
-        return future
 
-    def _count(self, future: Future) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            with self._count_lock:
-                self.failed_jobs += 1
+class FailureCount:
+    """Checkpoint calls that failed, counted alike on every rank (the module docstring says
+    where each kind is counted). Two threads add to it: the calling thread and the save
+    thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self._value += 1
+
+    @property
+    def value(self) -> int:
+        with self._lock:
+            return self._value
 
 
 class GroupRenewal:
@@ -103,36 +121,45 @@ class GroupRenewal:
     def _left(self) -> None:
         self._calls.depth -= 1
 
-    def _guarded(self, method, *args, drain: bool = True, **kwargs) -> Any:
+    def _failed_together(self) -> None:
+        """Count a failure that every rank raises at the same call (see the module docstring)."""
+        self._failures.add()
+
+    def _guarded(self, method, *args, drain: bool = True, counts_failure: bool = True, **kwargs) -> Any:
         """Run a collective manager call with the renewal check first (outermost call only;
-        ``drain``: the call waits for the saves in flight anyway, so the check does first);
-        a call that raises on a broken connection marks this rank's groups for renewal."""
+        ``drain``: the call waits for the saves in flight anyway, so the check does first).
+        ``counts_failure``: the call raises on every rank together when it fails, so its
+        failure counts here (``save_local`` counts its own: a rank whose staging failed raises
+        alone, and the save's agreement counts that save on every rank)."""
         outer = self._entered()
         try:
             if outer:
-                if drain:
-                    self.wait_for_saves()
-                self._renew_groups_if_due(drained=drain)
-            return method(*args, **kwargs)
-        except BaseException as e:
-            if outer and self._group is not None and broke_connections(e):
-                self._renew_at_next_call = True
-            raise
+                try:
+                    if drain:
+                        self.wait_for_saves()
+                    self._renew_groups_if_due(drained=drain)
+                except BaseException:
+                    self._failed_together()  # the check's all-reduce or the renewal: every rank
+                    raise
+            try:
+                return method(*args, **kwargs)
+            except BaseException:
+                if outer and counts_failure:
+                    self._failed_together()
+                raise
         finally:
             self._left()
 
     def _renew_groups_if_due(self, drained: bool) -> None:
         if self._group is None or self.world_size == 1:
             return  # first use creates them
-        if self._renew_at_next_call:
-            self._renew_groups("the previous checkpoint call failed")
-            self._renew_at_next_call = False
-            return
-        failed = self._worker.failed_jobs
+        failed = self._failures.value
         if not drained:  # saves may still be finishing: every rank takes the lowest count
             failed = collectives.all_reduce_int(failed, "min", self._control)
         if failed > self._renewed_after_failures:
-            self._renew_groups(f"{failed - self._renewed_after_failures} save(s) failed on every rank")
+            self._renew_groups(
+                f"{failed - self._renewed_after_failures} checkpoint call(s) failed on every rank"
+            )
 
     def _own_groups(self) -> list:
         """The groups this manager made (each once: the parallel group may be the control)."""
@@ -147,24 +174,25 @@ class GroupRenewal:
         self._group = self._control = self._par_group = None
 
     def _renew_groups(self, why: str) -> None:
-        """Drain the save thread, replace every group, agree on the failures now counted."""
+        """Drain the save thread, replace every group, note the failures now counted."""
         self.wait_for_saves()
         old = self._own_groups()
         self._make_groups()
         self._make_replicator()
         for g in old:
             release_checkpoint_group(g)
-        self._renewed_after_failures = self._worker.failed_jobs  # drained: the same on every rank
+        self._renewed_after_failures = self._failures.value  # drained: the same on every rank
         if self.rank == 0:
             logger.warning("checkpoint process groups renewed (%s)", why)
 
     # ---- the collective calls ------------------------------------------------------------------
 
     def save_local(self, state_dict: Any, iteration: int, is_async: bool = True):
-        handle = self._guarded(super().save_local, state_dict, iteration, True, drain=False)
+        handle = self._guarded(
+            super().save_local, state_dict, iteration, True, drain=False, counts_failure=False
+        )
         if not is_async:
-            # Waited for outside the guard: a failed save renews through the agreed count of
-            # failed saves (a rank whose own part went well may not have seen the broken link).
+            # Waited for outside the guard: a failed save counts through its agreement.
             handle.wait_staged()
             handle.wait()
         return handle
@@ -177,33 +205,3 @@ class GroupRenewal:
 
     def load(self):
         return self._guarded(super().load)
-
-
-#: What torch's gloo errors say when a connection timed out or dropped.
-_LINK_WORDS = ("timed out", "timeout", "connection closed", "pair closure", "connection reset", "broken pipe")
-
-
-def broke_connections(error: BaseException) -> bool:
-    """Whether ``error`` (or what caused it) is a checkpoint group's connection failing: a
-    collective or transfer that timed out or lost its peer — or, for a
-    :class:`PeerFailedError`, the failure of the peer every rank names was one."""
-    seen = set()
-    e: Optional[BaseException] = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, PeerFailedError):
-            reason = (e.reason or "").lower()
-            return reason.startswith(("replicationerror", "collectivetimeouterror")) or any(
-                w in reason for w in _LINK_WORDS
-            )
-        if isinstance(e, NoReplicaError):
-            return False
-        if isinstance(e, (CollectiveTimeoutError, ReplicationError, TimeoutError, ConnectionError)):
-            return True
-        text = str(e).lower()
-        if isinstance(e, RuntimeError) and any(w in text for w in _LINK_WORDS):
-            return True
-        if "collective '" in text and "failed on a group" in text:
-            return True
-        e = e.__cause__ or e.__context__
-    return False

@@ -98,6 +98,8 @@ class Healing:
             agreed = collectives.all_agree(error is None, self._group)
         except Exception as e:
             agreed, error = False, error or e
+        if not agreed:
+            self._failures.add()  # every rank's agreement said so: the groups renew (manager.groups)
         m.seconds = time.perf_counter() - t0
         m.whole = agreed and not partial
         self.last_heal_metrics = m

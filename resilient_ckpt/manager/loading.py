@@ -91,12 +91,14 @@ class LoadPath:
             self.latest_iteration = elastic.iteration
         else:
             self._raise_if_only_foreign(holdings)
-        if self.latest_iteration < self._last_saved:
-            # What this job saved above it is not restorable any more (copies lost, a save
-            # that failed): the job resumes from older state (or the persistent tier) and may
-            # save those iterations again, as with the reference; the next save first retires
-            # whatever is left of them (same decision on every rank: gathered holdings).
-            self._last_saved = self.latest_iteration
+        # What this job saved above it is not restorable (copies lost, a save that failed):
+        # the job resumes from older state (or the persistent tier) and may save those
+        # iterations again, as with the reference. Whatever the stores still hold of them is
+        # retired by the next save — decided from the gathered holdings, alike on every rank
+        # (a rank's own last save differs after a save that failed on some ranks only: the
+        # culprit never staged it, and the next save's collectives must pair up).
+        self._last_saved = min(self._last_saved, self.latest_iteration)
+        if any(k[0] > self.latest_iteration for per in holdings.ids for k in per):
             self._started = self._restored = False
         return self.latest_iteration
 

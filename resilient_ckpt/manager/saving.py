@@ -238,13 +238,18 @@ class SavePath:
         except BaseException as e:
             local = e
         cached = False
-        if self._kind != "tasd":  # the same on every rank: every save is of the same kind
-            what = f"preparing the save of iteration {iteration}"
-            cached = collectives.agree_or_fail(local, probe.covered, what, control)
-        elif local is not None:
-            raise local
-        if not self._restored and not self._started:
-            self._retire_earlier_run(iteration, control)
+        try:
+            if self._kind != "tasd":  # the same on every rank: every save is of the same kind
+                what = f"preparing the save of iteration {iteration}"
+                cached = collectives.agree_or_fail(local, probe.covered, what, control)
+            elif local is not None:
+                raise local  # this rank alone: the save's agreement counts it (manager.groups)
+            if not self._restored and not self._started:
+                self._retire_earlier_run(iteration, control)
+        except BaseException:
+            if self._kind != "tasd" or local is None:
+                self._failed_together()  # a vote's outcome: raised on every rank at this call
+            raise
         self._started = True
         return state_dict, probe, cached
 
@@ -461,7 +466,8 @@ class SavePath:
 
     def _fail_save(self, iteration, group, error: BaseException) -> None:
         """Tell the peers at once: an empty replica to every holder, refuse incoming replicas,
-        vote no. Nothing is discarded here (this rank created nothing for the save)."""
+        vote no. Nothing is discarded here (this rank created nothing for the save). Counted
+        as a failed save, as the peers' agreement counts it (manager.groups)."""
         if group is not None:
             try:
                 self._replicate_nothing()
@@ -471,6 +477,7 @@ class SavePath:
                 collectives.all_agree(False, group)
             except Exception as e:
                 logger.debug("failed save of iteration %s: agreement: %s", iteration, e)
+        self._failures.add()
 
     def _replicate_nothing(self) -> None:
         if self._replicator is not None:
@@ -510,6 +517,7 @@ class SavePath:
         m = job.metrics
         m.durable_s = time.perf_counter() - job.t_start
         if not agreed:
+            self._failures.add()  # on every rank alike: the agreement said so (manager.groups)
             if job.segment is not None:
                 job.segment.close()
             self._discard_failed(job.iteration, outcome.received)

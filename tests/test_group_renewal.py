@@ -1,0 +1,141 @@
+"""Every rank renews the checkpoint groups together (issue 30): a save that fails on one rank,
+for whatever reason, must leave the job's next checkpoint call working on every rank.
+
+Real processes, 2 simulated nodes x 2 gloo ranks. Each case is a failure whose culprit sees a
+different exception from the bystanders (its own error vs a ``PeerFailedError`` naming it, or a
+save that raised in ``save_local`` on the culprit and in ``wait()`` on the others): the renewal
+decision must not depend on which. Specified: every rank the same outcome within a small
+multiple of ``timeout_s`` at every call, the next save completes, ``find_latest`` and the
+restore agree on every rank, the data is exact, and the job's own group still pairs up.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import node_store_root, run_ranks
+from resilient_ckpt import ShardedTensor
+from resilient_ckpt.errors import CheckpointingException
+from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+
+pytestmark = pytest.mark.multiprocess
+
+WS, RPN = 4, 2
+TIMEOUT_S = 4.0
+#: the job's own groups time out far later than the manager's: a hang shows as the run's timeout
+RUN = dict(timeout=90, collective_timeout=60)
+
+
+def _sd(rank: int, step: int, mib: float = 0.0, fill: bool = True, extra=0):
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    n = max(4096, int(mib * (1 << 20)) // 4)
+    u = torch.randn(n, generator=g) if fill else torch.zeros(n)
+    return {"u": ShardedTensor.from_rank_offsets("u", u, (0, rank, WS)), "step": step, "extra": extra}
+
+
+def _call(fn):
+    """(outcome, seconds) of one manager call: 'ok' with its value, or the error's class."""
+    t = time.monotonic()
+    try:
+        value = fn()
+        return ("ok", value), time.monotonic() - t
+    except CheckpointingException as e:
+        return ("failed", type(e).__name__), time.monotonic() - t
+    except Exception as e:  # the culprit's own error (the codec's, the store's)
+        return ("failed", "own " + type(e).__name__), time.monotonic() - t
+
+
+def _world_sum_works(ctx) -> bool:
+    t = torch.tensor([ctx.rank + 1.0])
+    dist.all_reduce(t)
+    return float(t) == sum(range(1, ctx.world_size + 1))
+
+
+def _failed_save_then_every_call(ctx, culprit_kind: str, first_mib: float, failing_mib: float, budget):
+    kw = {}
+    if budget is not None and ctx.node == 1:
+        kw["memory_budget"] = budget
+    m = CheckpointManager("renew", store_root=ctx.store_root, replication_factor=2, timeout_s=TIMEOUT_S, **kw)
+    out = {}
+    out["save10"] = _call(lambda: m.save_local(_sd(ctx.rank, 10, first_mib), 10).wait().iteration)
+    # The failing save: rank 2's state holds an object the codec refuses, or node 1's store has
+    # no room for the larger segment this save needs.
+    extra = threading.Lock() if (culprit_kind == "codec" and ctx.rank == 2) else 0
+    handle = []
+    out["save20"] = _call(
+        lambda: handle.append(m.save_local(_sd(ctx.rank, 20, failing_mib, extra=extra), 20))
+    )
+    if handle:  # the bystanders: their part went well, the save's agreement says no
+        out["save20"] = _call(lambda: handle[0].wait().iteration)
+    out["culprit"] = not handle
+    out["find"] = _call(m.find_latest)
+    out["save30"] = _call(lambda: m.save_local(_sd(ctx.rank, 30, first_mib), 30).wait().iteration)
+    out["find2"] = _call(m.find_latest)
+
+    def restore():
+        state, it = m.load_local(_sd(ctx.rank, 0, first_mib, fill=False))
+        return it, torch.equal(state["u"], _sd(ctx.rank, it, first_mib)["u"].data)
+
+    out["load"] = _call(restore)
+    out["world"] = _world_sum_works(ctx)
+    m.close()
+    return out
+
+
+def _check(out, culprits):
+    for r in range(WS):
+        o = out[r]
+        assert o["save10"][0] == ("ok", 10), (r, o)
+        what, seconds = o["save20"]
+        assert what[0] == "failed", (r, o)
+        assert seconds < 3 * TIMEOUT_S, (r, seconds)
+        # every call after the failure works on every rank, within the timeout's small multiple
+        assert o["find"][0] == ("ok", 10), (r, o)
+        assert o["save30"][0] == ("ok", 30), (r, o)
+        assert o["find2"][0] == ("ok", 30), (r, o)
+        assert o["load"][0] == ("ok", [30, True]) or o["load"][0] == ("ok", (30, True)), (r, o)
+        for step in ("find", "save30", "find2", "load"):
+            assert o[step][1] < 2 * TIMEOUT_S, (r, step, o[step])
+        assert o["world"], "the job's own all-reduce works"
+    # the culprits' save_local raised their own error; the others' wait() raised
+    assert [r for r in range(WS) if out[r]["culprit"]] == culprits
+
+
+def test_a_state_the_codec_refuses_on_one_rank_leaves_the_next_calls_working_on_every_rank(tmp_root):
+    out = run_ranks(
+        _failed_save_then_every_call, WS, tmp_root, ranks_per_node=RPN, args=("codec", 0, 0, None), **RUN
+    )
+    _check(out, culprits=[2])
+
+
+def test_one_nodes_store_over_its_memory_budget_leaves_the_next_calls_working_on_every_rank(tmp_root):
+    # 16 KiB per rank fits a 4 MiB budget many times; 8 MiB does not fit at all.
+    out = run_ranks(
+        _failed_save_then_every_call, WS, tmp_root, ranks_per_node=RPN, args=("store", 0, 8, 4 << 20), **RUN
+    )
+    _check(out, culprits=[2, 3])
+
+
+def test_one_nodes_store_filesystem_full_leaves_the_next_calls_working_on_every_rank(tmp_root):
+    """Node 1's store on a 6 MiB tmpfs of its own (root mounts it): the 8 MiB save cannot fit."""
+    root = Path(node_store_root(tmp_root, 1))
+    root.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(root)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        out = run_ranks(
+            _failed_save_then_every_call, WS, tmp_root, ranks_per_node=RPN, args=("store", 0, 8, None), **RUN
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+    _check(out, culprits=[2, 3])
