@@ -232,6 +232,45 @@ def test_node_loss_loads_bit_exactly_from_the_replica(tmp_path):
     assert [sources[0] for _, _, sources in loaded] == ["local", "peer"]
 
 
+def _train_with_saves_in_flight(ctx, ckpt_dir: str):
+    """The documented loop: ``async_save`` at steps 2 and 6 and training goes on while each
+    save is in flight (DDP's backward all-reduces on the default group meanwhile); the future
+    is waited for only before the next save. Then node 1 dies once both saves are agreed."""
+    from resilient_ckpt.dcp import MemoryStorageWriter, async_save
+
+    app = _build("ddp", seed=0)
+    manager = _manager(ctx)
+    fut, snaps = None, {}
+    for step in range(1, 13):
+        _train(app, 1)
+        if step in (2, 6):
+            if fut is not None:
+                fut.result()
+            fut = async_save(
+                {"app": app},
+                checkpoint_id=f"{ckpt_dir}/step-{step}",
+                storage_writer=MemoryStorageWriter(manager),
+            )
+            snaps[step] = _snapshot(app)  # async_save returned: the items are in the store
+    fut.result()
+    manager.wait_for_saves()
+    dist.barrier()
+    if ctx.rank == 1:
+        ctx.kill_self()
+    return snaps[6]
+
+
+def test_ddp_training_goes_on_while_async_save_is_in_flight_and_a_node_loss_restores_bit_exactly(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(_train_with_saves_in_flight, WS, tmp_path, args=(ckpt,), expect_killed=[1], **RUN)
+    assert saved[1] is KILLED
+    shutil.rmtree(node_store_root(str(tmp_path), 1))
+    loaded = run_ranks(_load, WS, tmp_path, args=("ddp",), **RUN)
+    # DDP: both ranks hold the same state, so rank 0's snapshot at step 6 is rank 1's too.
+    _check_restored([saved[0]] * WS, loaded, 6)
+    assert [sources[0] for _, _, sources in loaded] == ["local", "peer"]
+
+
 def _reference(ctx, kind: str, steps: int):
     app = _build(kind, seed=0)
     _train(app, steps)

@@ -15,11 +15,12 @@ from __future__ import annotations
 from .checkpoint_id import iteration_from_checkpoint_id
 from .metadata_codec import decode_metadata, encode_metadata
 from .reader import MemoryStorageReader
-from .writer import MemoryStorageWriter
+from .writer import MemoryStorageWriter, async_save
 
 __all__ = [
     "MemoryStorageReader",
     "MemoryStorageWriter",
+    "async_save",
     "decode_metadata",
     "encode_metadata",
     "iteration_from_checkpoint_id",

@@ -4,7 +4,8 @@ A drop-in ``storage_writer`` for ``dcp.save`` / ``dcp.async_save``::
 
     manager = CheckpointManager(session_id="run7", replication_factor=2, persistent_dir=...)
     writer = MemoryStorageWriter(manager)
-    fut = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=f"{folder}/step-{step}")
+    fut = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=f"{folder}/step-{step}",
+                         process_group=writer.process_group)  # or resilient_ckpt.dcp.async_save
 
 DCP's planner decides what each rank writes; ``write_data`` hands exactly those items (and,
 on the coordinator, the global metadata) to ``CheckpointManager.save_local`` as this rank's
@@ -42,7 +43,7 @@ from .gate import StagingGate
 from .metadata_codec import encode_metadata
 from .payload import build_payload
 
-__all__ = ["MemoryStorageWriter"]
+__all__ = ["MemoryStorageWriter", "async_save"]
 
 
 class MemoryStorageWriter(ManagerBacked, StorageWriter, AsyncStager):
@@ -86,6 +87,15 @@ class MemoryStorageWriter(ManagerBacked, StorageWriter, AsyncStager):
         self.last_save_metrics: Optional[SaveMetrics] = None
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
+
+    @property
+    def process_group(self):
+        """The group to pass as ``dcp.async_save(..., process_group=writer.process_group)``: a
+        gloo group of every rank made once per manager for DCP's planning collectives
+        (:meth:`CheckpointManager.dcp_process_group`). Without it DCP's async thread runs them
+        on the default group while the training loop's collectives (DDP's backward all-reduce)
+        run there too, and both deadlock. Collective on first use: every rank, same point."""
+        return self.manager.dcp_process_group()
 
     # ---- StorageWriter -----------------------------------------------------------------------
 
@@ -213,3 +223,21 @@ class _GateGuard:
         if exc_type is not None and self.gate is not None:
             self.gate.release()
         return False
+
+
+def async_save(
+    state_dict: STATE_DICT_TYPE,
+    *,
+    checkpoint_id: CheckpointId,
+    storage_writer: MemoryStorageWriter,
+    **kwargs: Any,
+):
+    """``dcp.async_save`` into the manager's store with DCP's collectives on the writer's own
+    group (:attr:`MemoryStorageWriter.process_group`) — what a training loop that keeps
+    running collectives on the default group while the save is in flight needs (DDP does in
+    every backward). Other keyword arguments go to ``dcp.async_save`` as they are; an explicit
+    ``process_group=`` wins. Returns DCP's future (complete at the store's agreement)."""
+    import torch.distributed.checkpoint as dcp
+
+    kwargs.setdefault("process_group", storage_writer.process_group)
+    return dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs)

@@ -334,6 +334,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         self._group: Optional[dist.ProcessGroup] = None
         self._control: Optional[dist.ProcessGroup] = None
         self._par_group: Optional[dist.ProcessGroup] = None
+        self._dcp_group: Optional[dist.ProcessGroup] = None  # made on demand (dcp_process_group)
         self._transport: Optional[P2PTransport] = None
         self._replicator: Optional[Replicator] = None
         #: what the last general-path save established (distribution, and what a cached save

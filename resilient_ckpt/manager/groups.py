@@ -53,6 +53,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from ..parallel import collectives
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
@@ -169,9 +171,22 @@ class GroupRenewal:
 
     def _release_groups(self) -> None:
         """On close: destroy the manager's groups (their threads and connections go with them)."""
-        for g in self._own_groups():
+        for g in [*self._own_groups(), self._dcp_group]:
             release_checkpoint_group(g)
-        self._group = self._control = self._par_group = None
+        self._group = self._control = self._par_group = self._dcp_group = None
+
+    def dcp_process_group(self):
+        """A gloo group of every rank for PyTorch DCP's own planning collectives, to pass as
+        ``dcp.async_save(..., process_group=...)`` (``MemoryStorageWriter.process_group`` and
+        ``resilient_ckpt.dcp.async_save`` do). DCP's async thread must not run its collectives
+        on the default group while the training loop's (DDP's backward) run there: two threads
+        on one group pair up each other's messages and both wait forever. Made on the first
+        call — collective, so every rank calls it at the same point, as it builds its writer —
+        and kept until :meth:`close`: group renewal never replaces it, since DCP may hold it
+        across the manager calls of one save. None when torch.distributed is not initialized."""
+        if self._dcp_group is None and dist.is_initialized():
+            self._dcp_group = new_checkpoint_group("gloo", timeout_s=self.timeout_s)
+        return self._dcp_group
 
     def _renew_groups(self, why: str) -> None:
         """Drain the save thread, replace every group, note the failures now counted."""
