@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..bits import copy_bits
 from ..errors import CheckpointingException, ForeignCheckpointError, ValidationError
 from ..manager.checkpoint_manager import CheckpointManager
 from ..manager.metrics import LoadMetrics
@@ -192,7 +193,7 @@ class MemoryStorageReader(ManagerBacked, StorageReader):
                         f"{ri.storage_index.fqn!r}: the stored chunk gives {tuple(src.shape)}, the "
                         f"destination is {tuple(target.shape)}"
                     )
-                target.copy_(src)
+                copy_bits(target, src)
             planner.commit_tensor(ri, target)
         fut: Future = Future()
         fut.set_result(None)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 import torch
 
+from ..bits import copy_bits
 from ..errors import CorruptCheckpointError, ValidationError
 from ..memory.checksum import digest
 from ..memory.layout import CheckpointHeader, CheckpointId
@@ -444,7 +445,7 @@ def _place(
     targets: List[torch.Tensor], shards: Sequence[ShardedTensor], p: Piece, piece: torch.Tensor
 ) -> None:
     dst = _region(targets, shards, p)
-    dst.copy_(piece.reshape(dst.shape))
+    copy_bits(dst, piece.reshape(dst.shape))
 
 
 def _object_values(

@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..bits import foreach_copy_bits
 from ..gc_pause import paused_gc
 from .layout import DenseRun, TensorLayout, dense_runs
 from .segment import Segment
@@ -203,7 +204,7 @@ def run_views(segment: Segment, runs: Sequence[DenseRun], likes: Sequence[Sequen
 
 def _copy_run(dst, srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
     """Copy ``srcs`` into ``dst``: a flat region (viewed in one call) or its views."""
-    torch._foreach_copy_(_views(dst, srcs), srcs, non_blocking=non_blocking)
+    foreach_copy_bits(_views(dst, srcs), srcs, non_blocking=non_blocking)
 
 
 def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.Tensor]]]:
@@ -217,7 +218,7 @@ def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.
         group = [srcs[i] for i in idx]
         flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device)
         views = _views(flat, group)
-        torch._foreach_copy_(views, group, non_blocking=True)
+        foreach_copy_bits(views, group, non_blocking=True)
         out.append((idx, views))
     return out
 
@@ -263,7 +264,7 @@ def _finish(segment, dests: _Destinations, cpu: Sequence[_Item], down, stream) -
                 for item, parts in down:
                     dsts = _views(dests.of(segment, item), item[2])
                     for idx, snap in parts:
-                        torch._foreach_copy_([dsts[i] for i in idx], snap, non_blocking=segment.pinned)
+                        foreach_copy_bits([dsts[i] for i in idx], snap, non_blocking=segment.pinned)
                 stream.synchronize()
     return segment
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..bits import copy_bits
 from ..errors import ValidationError
 from .mapping import ShardedObject, ShardedTensor
 
@@ -214,7 +215,7 @@ class TrainState:
                         f"model entry {name!r}: restored {src.dtype} {tuple(src.shape)} does not match "
                         f"the model's {local.dtype} {tuple(local.shape)}"
                     )
-                local.copy_(src)
+                copy_bits(local, src)
 
     def _load_optimizer(self, loaded: Dict[str, Any]) -> None:
         names = self._optimizer_param_names()

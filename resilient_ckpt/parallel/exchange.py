@@ -22,6 +22,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..bits import bits
 from ..errors import CheckpointingException, ValidationError
 from ..model.mapping import ShardId
 from . import collectives
@@ -233,7 +234,7 @@ def _unpack(buf: torch.Tensor, bucket, received) -> None:
             if dst.is_contiguous():
                 _as_bytes(dst).copy_(src)
             else:  # a strided destination: reinterpret the bytes, then copy element-wise
-                dst.copy_(src.clone().view(dst.dtype).view(dst.shape))
+                bits(dst).copy_(src.clone().view(bits(dst).dtype).view(dst.shape))
         pos += n
 
 

@@ -10,6 +10,7 @@ from typing import Any, Dict
 
 import torch
 
+from ..bits import copy_bits
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..model.nested import map_leaves_inplace
 from .load_checks import LoadRequest
@@ -39,7 +40,7 @@ def fill_template(req: LoadRequest, loaded, targets, objects, unexpected) -> Any
             t = loaded[v.shard_id]
             dst = targets.get(v.shard_id)
             if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
-                dst.copy_(t)
+                copy_bits(dst, t)
                 return dst
             return t
         if isinstance(v, ShardedObject):

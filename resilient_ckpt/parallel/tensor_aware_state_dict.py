@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
+from ..bits import bits, copy_bits
 from ..errors import HollowStateError, ValidationError
 from ..model import codec, shard_table
 from ..model.mapping import ShardedObject, ShardedTensor
@@ -359,7 +360,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 dst = torch.empty(
                     t.shape, dtype=t.dtype, pin_memory=non_blocking and torch.cuda.is_available()
                 )
-                st.data = dst.copy_(t.detach(), non_blocking=non_blocking)
+                st.data = copy_bits(dst, t.detach(), non_blocking=non_blocking)
             self._private[i] = True
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
@@ -369,7 +370,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             dev = self._devices[i]
             if dev is not None:
                 if st.data.device.type != dev:
-                    st.data = st.data.to(dev, non_blocking=non_blocking)
+                    st.data = bits(st.data).to(dev, non_blocking=non_blocking).view(st.data.dtype)
                 self._devices[i] = None
 
     # ---- serialization of the hollow form ------------------------------------------------

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..bits import copy_bits
 from ..errors import CodecError, CorruptCheckpointError, ValidationError
 from ..model import codec
 from ..model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, adapt, is_factory
@@ -360,7 +361,7 @@ class ResilientLoadPlanner(LoadPlanner):
         target = self._copy_back.get(key)
         if target is not None:
             # The template's tensor is not contiguous: it was loaded into a contiguous stand-in.
-            target.copy_(self._dest[key].reshape(target.shape))
+            copy_bits(target, self._dest[key].reshape(target.shape))
 
 
 class MetadataStateDictLoadPlanner(ResilientLoadPlanner):

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ..bits import copy_bits
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..parallel import collectives
 from ..parallel.distribution import assign_shards
@@ -361,7 +362,7 @@ def _apply_tensor(planner: LoadPlanner, items: Sequence[ReadItem], chunk: torch.
     for ri in items:
         src = narrow(chunk, ri.storage_offsets, ri.lengths)
         dest = planner.resolve_tensor(ri)
-        dest.copy_(src)
+        copy_bits(dest, src)
         planner.commit_tensor(ri, dest)
 
 

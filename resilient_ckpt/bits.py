@@ -1,0 +1,61 @@
+"""Checkpoint bytes are copied as bytes (layer 0).
+
+A copy between two tensors of a floating-point dtype is a copy of *values*, and some kernels
+compute it through another type: CUDA's fused ``_foreach_copy_`` takes bf16 and fp16 through
+float, which turns every NaN into the canonical one (0x7FFF) — a NaN payload, a signalling
+NaN, or integer data kept in a 16-bit float tensor (packed quantized weights) is rewritten, and
+a checksum computed afterwards cannot notice. Every copy of saved bytes goes through these
+helpers instead: both sides viewed as integers of the element's size (same shape, same
+strides: ``Tensor.view(dtype)`` of an equal-size dtype works for any layout), so the kernel
+moves bits. ``tests/test_bit_copies.py`` records the dtype of every copy torch is asked to make
+during saves and restores and fails on a floating-point one.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["bits", "copy_bits", "foreach_copy_bits"]
+
+#: element size -> the integer dtype of that size
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element's size (the same memory, shape and strides).
+    Integer tensors come back as they are; a 16-byte element (complex128) as a pair of int64
+    in a new last dimension (``view_as_real``: any layout, 0-dim too)."""
+    if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        return t
+    if t.is_conj() or t.is_neg():  # a lazy conjugate/negative view: its bytes are not its values
+        t = t.resolve_conj().resolve_neg()  # (a new tensor: for reading only, see copy_bits)
+    size = t.element_size()
+    target = _INT_OF_SIZE.get(size)
+    if target is not None:
+        return t.view(target)
+    return torch.view_as_real(t).view(torch.int64)  # complex128
+
+
+def copy_bits(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``dst.copy_(src)`` of the same dtype, moving bits; returns ``dst``."""
+    if dst.dtype != src.dtype:
+        raise TypeError(
+            f"copy_bits: {src.dtype} into {dst.dtype} would convert values; the dtypes must match"
+        )
+    bits(dst).copy_(bits(src), non_blocking=non_blocking)
+    return dst
+
+
+def foreach_copy_bits(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], non_blocking: bool = False
+) -> None:
+    """``torch._foreach_copy_(dsts, srcs)`` (one fused launch per device) moving bits."""
+    if not dsts:
+        return
+    if any(d.is_conj() or d.is_neg() for d in dsts):
+        for d, s in zip(dsts, srcs):
+            copy_bits(d, s, non_blocking)
+        return
+    torch._foreach_copy_([bits(d) for d in dsts], [bits(s) for s in srcs], non_blocking=non_blocking)
