@@ -12,6 +12,7 @@ calling thread (a save's calling thread locking anything is a regression the met
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Set
 
@@ -35,29 +36,112 @@ def locked_by_this_thread() -> int:
     return getattr(_by_thread, "bytes", 0)
 
 
+class CudaRuntime:
+    """The three CUDA runtime calls page-locking needs, through promised interfaces only: the
+    CUDA runtime's official Python bindings (cuda-python: ``cuda.bindings.runtime``, or the
+    older ``cuda.cudart``) where installed, else ``torch.cuda.cudart()`` — torch's documented
+    accessor, whose module has ``cudaHostRegister``/``cudaHostUnregister`` but (torch 2.11)
+    no ``cudaGetLastError``: a refused registration's error cannot be cleared through it, which
+    is why :func:`register` does not try where refusal is known ahead (a store not on tmpfs)."""
+
+    def __init__(self) -> None:
+        self._bindings = _official_bindings()
+        self._torch = None if self._bindings is not None else torch.cuda.cudart()
+        self.source = "cuda-python" if self._bindings is not None else "torch.cuda.cudart()"
+
+    def host_register(self, ptr: int, nbytes: int) -> int:
+        """0, or the CUDA error code of the refusal."""
+        if self._bindings is not None:
+            (err,) = self._bindings.cudaHostRegister(ptr, nbytes, 0)
+            return int(err)
+        return int(self._torch.cudaHostRegister(ptr, nbytes, 0))
+
+    def host_unregister(self, ptr: int) -> None:
+        if self._bindings is not None:
+            self._bindings.cudaHostUnregister(ptr)
+        else:
+            self._torch.cudaHostUnregister(ptr)
+
+    def clear_error(self) -> bool:
+        """Reset this thread's last CUDA error (so a later launch check does not report a
+        refusal as its own); False where no promised interface offers it."""
+        fn = getattr(self._bindings if self._bindings is not None else self._torch, "cudaGetLastError", None)
+        if fn is None:
+            return False
+        fn()
+        return True
+
+
+def _official_bindings():
+    try:
+        from cuda.bindings import runtime  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart as runtime  # older cuda-python
+        except ImportError:
+            return None
+    return runtime
+
+
+_runtime_made = None
+
+
+def runtime() -> "CudaRuntime | None":
+    """The process's :class:`CudaRuntime`, or None without CUDA (tests replace it)."""
+    global _runtime_made
+    if _runtime_made is None and torch.cuda.is_available():
+        _runtime_made = CudaRuntime()
+    return _runtime_made
+
+
+#: file systems whose pages cudaHostRegister accepts (memory-backed); elsewhere it refuses
+_LOCKABLE_FS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the file system ``path`` lives on (from /proc/mounts; "" if unknown)."""
+    return _mount_of(path)[1]
+
+
+def _mount_of(path: str):
+    """(mount point, file system type) of ``path``; ("", "") if unknown."""
+    best, kind = "", ""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1].replace("\\040", " ")
+                    if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, kind = mnt, parts[2]
+    except OSError:
+        return "", ""
+    return best, kind
+
+
 def register(buffer: torch.Tensor, where: str = "") -> bool:
-    """Page-lock ``buffer``'s memory (a CPU tensor over a mapping) for CUDA. Returns whether it
-    is locked. Where the driver refuses (a file on a disk file system, not tmpfs: "invalid
-    argument"), the memory stays pageable — copies into it are then synchronous, still
-    correct — one warning per ``where`` says so, and the CUDA error is cleared so the trainer's
-    next CUDA call does not inherit it."""
+    """Page-lock ``buffer``'s memory (a CPU tensor over a mapping of a file under ``where``)
+    for CUDA. Returns whether it is locked. Where it cannot be — the store is not on a
+    memory-backed file system (cudaHostRegister refuses such pages: not tried), or the driver
+    refuses — the memory stays pageable, copies into it are synchronous and still exact, and
+    one WARNING per ``where`` names the store and the reason."""
     global _held
     nbytes = buffer.numel() * buffer.element_size()
-    if not nbytes or not torch.cuda.is_available():
+    rt = runtime()
+    if not nbytes or rt is None:
         return False
-    cudart = torch.cuda.cudart()
-    rc = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-    if int(rc) != 0:
-        cudart.cudaGetLastError()  # clears the sticky error of the failed registration
-        if where not in _warned:
-            _warned.add(where)
-            logger.warning(
-                "cudaHostRegister of store segments under %s failed (%s): GPU tensors are staged "
-                "through pageable memory (synchronous copies, slower). Fix: put the store root on "
-                "a tmpfs such as /dev/shm (store_root=...)",
-                where,
-                rc,
-            )
+    mount, fs = _mount_of(where) if where else ("", "")
+    if fs and fs not in _LOCKABLE_FS:
+        _warn_unlocked(where, mount, f"its file system is {fs}, whose pages CUDA does not page-lock")
+        return False
+    rc = rt.host_register(buffer.data_ptr(), nbytes)
+    if rc != 0:
+        cleared = rt.clear_error()
+        why = f"cudaHostRegister refused it (CUDA error {rc})"
+        if not cleared:
+            why += f"; {rt.source} offers no cudaGetLastError to clear it: install cuda-python"
+        _warn_unlocked(where, mount, why)
         return False
     with _lock:
         _held += nbytes
@@ -65,9 +149,25 @@ def register(buffer: torch.Tensor, where: str = "") -> bool:
     return True
 
 
+def _warn_unlocked(where: str, mount: str, why: str) -> None:
+    """One WARNING per file system (a store's own and free segments live in different
+    directories of it)."""
+    if (mount or where) not in _warned:
+        _warned.add(mount or where)
+        logger.warning(
+            "store segments under %s are not page-locked: %s. GPU tensors are staged through "
+            "pageable memory (synchronous copies, slower, still exact). Fix: put the store root "
+            "on a tmpfs such as /dev/shm (store_root=...)",
+            where or "(unknown path)",
+            why,
+        )
+
+
 def unregister(buffer: torch.Tensor) -> None:
     """Undo :func:`register` (the memory stays mapped)."""
     global _held
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    rt = runtime()
+    if rt is not None:
+        rt.host_unregister(buffer.data_ptr())
     with _lock:
         _held -= buffer.numel() * buffer.element_size()
