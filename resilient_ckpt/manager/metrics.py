@@ -97,9 +97,12 @@ class SaveHandle:
         self.metrics.stall_s += self._staging.fence(stream)
 
     def wait_staged(self) -> float:
-        """Block until the snapshot's copies are done: call before mutating saved tensors
-        (the optimizer step). Returns the seconds waited."""
-        waited = self._staging.wait()
+        """Block until every saved tensor has been read, so it may be mutated (the optimizer
+        step): its bytes are in the store's segment or — after a device snapshot (a GPU save
+        without a ready page-locked segment) — in the snapshot on the GPU, whose way down to
+        the segment goes on in the background (:meth:`wait` and the agreement wait for it).
+        Returns the seconds waited; re-raises a failed copy."""
+        waited = self._staging.wait_sources()
         self.metrics.stall_s += waited
         return waited
 

@@ -13,9 +13,11 @@ bandwidth — two threads measured slower).
 Contract for the training loop: the tensors handed to a save must not be modified until the
 copies have read them. :meth:`StagingHandle.fence` orders that without a CPU wait for device
 copies — later work on the given CUDA stream (the optimizer's update) runs after them — and
-waits on the CPU only for the copies of CPU tensors; :meth:`StagingHandle.wait`
-(``SaveHandle.wait_staged``) blocks until every copy is done. Reading them meanwhile
-(forward/backward) is fine.
+waits on the CPU only for the copies of CPU tensors; :meth:`StagingHandle.wait_sources`
+(``SaveHandle.wait_staged``) blocks until every source has been read — into the segment, or
+into a device snapshot whose way down continues in the background — and
+:meth:`StagingHandle.wait` until every copy is done. Reading them meanwhile (forward/backward)
+is fine.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..bits import foreach_copy_bits
+from ..bits import bits, foreach_copy_bits
 from ..gc_pause import paused_gc
 from .layout import DenseRun, TensorLayout, dense_runs
 from .segment import Segment
@@ -55,6 +57,9 @@ class StagingHandle:
         self._future = future
         self._event = event
         self._cpu_sources = False
+        #: set by the staging thread once every CPU source was copied (before a device
+        #: snapshot's way down): the sources may change from then on
+        self._cpu_read: Optional[threading.Event] = None
         self._segment = segment
         self.started = started
         self.snapshot = snapshot  # CUDA sources were copied within the GPU first
@@ -84,11 +89,29 @@ class StagingHandle:
         staging thread) are waited for here (returns the seconds). Re-raises a failed CPU copy."""
         if self._event is not None:
             (stream if stream is not None else torch.cuda.current_stream()).wait_event(self._event)
-        if not (self._cpu_sources and self._future is not None):
-            return 0.0
         t0 = time.perf_counter()
-        self._future.result()
+        self._wait_cpu_sources()
         return time.perf_counter() - t0
+
+    def wait_sources(self) -> float:
+        """Block until every source tensor has been read, so it may be mutated: its bytes are in
+        the segment or in the device snapshot (a snapshot's way down to the segment may still
+        run: :meth:`wait` waits for that too). Returns the seconds waited; re-raises a failed
+        copy of a CPU source."""
+        t0 = time.perf_counter()
+        self._wait_cpu_sources()
+        if self._event is not None:
+            self._event.synchronize()
+        return time.perf_counter() - t0
+
+    def _wait_cpu_sources(self) -> None:
+        if not (self._cpu_sources and self._future is not None):
+            return
+        if self._cpu_read is not None:
+            self._cpu_read.wait()
+            if not self._future.done():
+                return  # copied; the rest (a snapshot's way down) runs on
+        self._future.result()  # re-raises a failure (the event is set on failure too)
 
     def wait(self) -> float:
         """Block until every copy finished; returns seconds spent waiting. Re-raises failures."""
@@ -172,10 +195,13 @@ class Stager:
                 event = torch.cuda.Event()
                 event.record(stream)
         future = None
+        cpu_read = threading.Event()
         if cpu or down or now is None:
-            future = self._pool.submit(_finish, segment, dests, cpu, down, self._stream)
+            future = self._pool.submit(_finish, segment, dests, cpu, down, self._stream, cpu_read)
+            future.add_done_callback(lambda _f: cpu_read.set())  # however the job ended
         handle = StagingHandle(future, event, started, snapshot=bool(down), segment=now)
         handle._cpu_sources = bool(cpu)
+        handle._cpu_read = cpu_read
         return handle
 
     def shutdown(self) -> None:
@@ -192,7 +218,15 @@ def _views(dst, likes: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     views already made are returned as they are."""
     if isinstance(dst, (list, tuple)):
         return dst
-    return torch._C._nn.unflatten_dense_tensors(dst, likes)
+    # Integer views of the flat region (one view for the whole run): copies into them move
+    # bits (resilient_ckpt.bits), and no per-tensor view is needed on this side.
+    return torch._C._nn.unflatten_dense_tensors(_flat_bits(dst), likes)
+
+
+def _flat_bits(flat: torch.Tensor) -> torch.Tensor:
+    """A flat region as integers of its element's size (complex128, 16 bytes, has none of one
+    element: left as it is, each of its views is taken apart by the copy instead)."""
+    return bits(flat) if flat.element_size() <= 8 else flat
 
 
 def run_views(segment: Segment, runs: Sequence[DenseRun], likes: Sequence[Sequence[torch.Tensor]]):
@@ -216,7 +250,7 @@ def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.
     out = []
     for device, idx in by_device.items():
         group = [srcs[i] for i in idx]
-        flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device)
+        flat = _flat_bits(torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device))
         views = _views(flat, group)
         foreach_copy_bits(views, group, non_blocking=True)
         out.append((idx, views))
@@ -247,16 +281,22 @@ class _Destinations:
         return [self._split[k][j]]
 
 
-def _finish(segment, dests: _Destinations, cpu: Sequence[_Item], down, stream) -> Segment:
+def _finish(segment, dests: _Destinations, cpu: Sequence[_Item], down, stream, cpu_read=None) -> Segment:
     """The staging thread's part: reserve the segment if the caller did not, copy the CPU
-    tensors, bring the device snapshot down. Returns the segment."""
-    if not isinstance(segment, Segment):
-        segment = segment()
-    # Grad mode is per thread: a Parameter source must not record history. The collector is
-    # paused while the views' Python objects (one per tensor) are made.
+    tensors (then set ``cpu_read``: the CPU sources may change), bring the device snapshot
+    down. Returns the segment."""
+    try:
+        if not isinstance(segment, Segment):
+            segment = segment()
+        # Grad mode is per thread: a Parameter source must not record history. The collector
+        # is paused while the views' Python objects (one per tensor) are made.
+        with torch.no_grad(), paused_gc():
+            for item in cpu:
+                _copy_run(dests.of(segment, item), item[2])
+    finally:
+        if cpu_read is not None:
+            cpu_read.set()  # on failure too: the waiter then finds the future's exception
     with torch.no_grad(), paused_gc():
-        for item in cpu:
-            _copy_run(dests.of(segment, item), item[2])
         if down:
             # On the stream that made the snapshot (so after it); its memory returns to the
             # caching allocator once this stream has passed the copies down.
