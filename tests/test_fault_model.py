@@ -259,8 +259,7 @@ class Job:
 
     def kill(self) -> None:
         for p in self.procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+            _sigkill(p)
         for p in self.procs:
             p.join(timeout=10)
         self.procs = []
@@ -297,9 +296,17 @@ class Job:
     def stopped_or_dead(self, rank: int) -> None:
         """SIGKILL a rank that froze itself (or confirm it died)."""
         p = self.procs[rank]
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        _sigkill(p)
         p.join(timeout=10)
+
+
+def _sigkill(p) -> None:
+    """SIGKILL ``p`` unless it has ended (it may end between the check and the signal)."""
+    if p.is_alive():
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class FaultMachine(RuleBasedStateMachine):
