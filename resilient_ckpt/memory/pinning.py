@@ -11,6 +11,7 @@ calling thread (a save's calling thread locking anything is a regression the met
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -103,8 +104,11 @@ def filesystem_type(path: str) -> str:
     return _mount_of(path)[1]
 
 
+@functools.lru_cache(maxsize=64)
 def _mount_of(path: str):
-    """(mount point, file system type) of ``path``; ("", "") if unknown."""
+    """(mount point, file system type) of ``path``; ("", "") if unknown. Cached: every
+    segment a store locks asks for the same store directory, and /proc/mounts need not be
+    parsed once per segment."""
     best, kind = "", ""
     try:
         real = os.path.realpath(path)
