@@ -15,7 +15,18 @@ in rounds — round ``i`` carries chunk ``i`` of every transfer — which keeps 
 matched per pair. Two rounds are in flight: round ``i + 1`` is posted before round ``i`` is
 waited for, so a link never idles at a round's end while the slowest transfer of the round
 finishes (measured on 1 Gbit/s links, 4 nodes in a ring: the round barrier cost 7 % of the
-transfer); device bounce memory is two chunks per transfer.
+transfer); device bounce memory is two chunks per transfer (three with gloo when receives
+are staged, below).
+
+With gloo every receive is posted before any send of the same chunk (issue 34): a gloo pair is
+one TCP connection per pair of ranks, a send goes out only after the peer's "receive ready"
+notification for it, and a rank's messages to a peer leave in the order posted — a
+notification posted after a send whose payload is still being written waits behind that whole
+payload. Two nodes replicating to each other then ran one direction after the other (2.1x the
+link limit in most runs, by which rank posted first). So the receives of every round are
+posted at the start, before the first send (one round ahead instead when received chunks go
+through bounce buffers), and every step posts its receives first. NCCL fuses a round's sends
+and receives in one batch and keeps that.
 
 Zero copies on CPU with gloo: chunks are sent straight from slices of the payload tensor and
 received straight into slices of the tensor ``allocate`` returned. When a tensor is not on the
@@ -260,6 +271,10 @@ class P2PTransport:
         # Payload rounds posted before the oldest is waited for (see the module docstring); 1
         # waits for each round before posting the next (measurements compare the two).
         self._rounds_in_flight = 2
+        self._slots = self._rounds_in_flight  # bounce buffers per transfer (set per exchange)
+        # gloo: receives posted before sends (see _receive_lead); False posts each round's
+        # sends first, as before issue 34 (measurements compare the two)
+        self._receives_ahead = True
 
     # ---------------------------------------------------------------------------------------
     def exchange(self, outgoing: Sequence[Outgoing], incoming: Sequence[Incoming]) -> TransferStats:
@@ -278,9 +293,19 @@ class P2PTransport:
         deferred = self._allocate_all(recvs)
         transfers = sends + recvs
         rounds = max([t.chunks() for t in transfers], default=0)
+        lead = self._receive_lead(recvs, rounds)
+        self._slots = self._rounds_in_flight + (lead > 0)
+        ahead: Dict[int, _Round] = {}  # receive halves of rounds posted ahead of their sends
+        next_recv = 0  # the first round whose receives are not posted yet
         posted: List[_Round] = []
         for i in range(rounds):  # round i = chunk i of every transfer
-            posted.append(self._post_round(transfers, i, rounds))
+            if lead:  # gloo: receives first, ``lead`` rounds ahead (see _receive_lead)
+                while next_recv < min(rounds, i + 1 + lead):
+                    ahead[next_recv] = self._post_round(recvs, next_recv, rounds)
+                    next_recv += 1
+                posted.append(self._merge(ahead.pop(i), self._post_round(sends, i, rounds)))
+            else:  # NCCL: the round's sends and receives in one fused batch
+                posted.append(self._post_round(transfers, i, rounds))
             if len(posted) == self._rounds_in_flight:  # round i queued behind i - 1: finish that one
                 self._finish_round(transfers, posted.pop(0))
         for r in posted:
@@ -349,6 +374,39 @@ class P2PTransport:
                 t.payload = None
         return deferred
 
+    def _receive_lead(self, recvs: List[_Transfer], rounds: int) -> int:
+        """How many rounds ahead of the sends the receives are posted: 0 with NCCL (a round is
+        one fused batch); with gloo, every round's receives before the first send when all
+        of them land in place, else one round ahead (each outstanding staged receive holds a
+        bounce buffer).
+
+        Why (issue 34): a gloo pair is one TCP connection, and a send goes out only once the
+        peer's "receive ready" notification for it arrived. A rank queues its messages to a
+        peer in order, so a notification posted after a send whose payload is still being
+        written waits behind all of that payload: the peer cannot start sending until this
+        rank's chunk went through, and two nodes replicating to each other ran one direction
+        after the other (2.1x the link limit in two runs of three, by who posted first).
+        Receives posted before the sends put every notification on the wire ahead of the
+        bulk data, so both directions move at once."""
+        if self.device.type != "cpu" or not recvs or not self._receives_ahead:
+            return 0
+        staged = any(
+            t.discard or (t.payload is not None and (t.payload.device != self.device or self._stage_all))
+            for t in recvs
+        )
+        return 1 if staged else rounds
+
+    @staticmethod
+    def _merge(first: "_Round", second: "_Round") -> "_Round":
+        """One round from its receive half (posted ahead) and its send half."""
+        return _Round(
+            first.index,
+            first.step,
+            first.ops + second.ops,
+            first.works + second.works,
+            first.unstage + second.unstage,
+        )
+
     def _post_round(self, transfers: List[_Transfer], i: int, rounds: int) -> "_Round":
         """Step 3, round ``i``: chunk ``i`` of every transfer that has one, posted together."""
         ops: List[_Op] = []
@@ -376,7 +434,8 @@ class P2PTransport:
         lo = i * t.chunk
         n = min(t.chunk, t.nbytes - lo)
         what = f"payload chunk {i + 1}/{t.chunks()} (bytes {lo}..{lo + n} of {_mib(t.nbytes)})"
-        slot = (t.index, i % 2)  # two rounds in flight: two buffers per transfer
+        # rounds in flight (+ 1 when receives are posted a round ahead): buffers per transfer
+        slot = (t.index, i % self._slots)
         if t.discard:
             return _Op(False, t.peer, self._bounce_buffer("drain", slot, n, self.device), what)
         view = t.payload[lo : lo + n]  # type: ignore[index]
@@ -471,9 +530,13 @@ class P2PTransport:
         self._wait(ops, self._post(ops, step), step)
 
     def _post(self, ops: List[_Op], step: str) -> list:
-        """Post ``ops`` together; their works, in order."""
+        """Post ``ops`` together; their works, in order. With gloo ``ops`` is first reordered
+        in place, receives before sends (see :meth:`_receive_lead`), so the caller's list
+        stays matched to the works."""
         if not ops:
             return []
+        if self.device.type == "cpu" and self._receives_ahead:
+            ops.sort(key=lambda op: op.send)  # stable: the order among receives (sends) holds
         p2p = [
             dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, self.group) for op in ops
         ]
