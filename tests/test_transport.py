@@ -331,3 +331,43 @@ def test_staged_transfers_through_reused_bounce_buffers_arrive_bit_exactly(tmp_r
     for results, reused in run_ranks(_staged_ring, 3, tmp_root):
         assert results == [[True] * len(SIZES)] * 2
         assert reused
+
+
+def _both_ways_posting_order(ctx):
+    """Two ranks send each other 5 chunks and a remainder, in place and staged: the payload
+    ops in posting order, and whether the bytes arrived."""
+    peer = 1 - ctx.rank
+    group = new_checkpoint_group(timeout_s=30)
+    order = []
+    post = dist.batch_isend_irecv
+
+    def recording(ops):
+        for op in ops:
+            if op.tensor.dtype == torch.uint8:  # the payload chunks (no headers are sent)
+                order.append("send" if op.op is dist.isend else "recv")
+        return post(ops)
+
+    dist.batch_isend_irecv = recording
+    out = {}
+    for staged in (False, True):
+        transport = P2PTransport(group, chunk_bytes=CHUNK)
+        transport._stage_all = staged
+        n = 5 * CHUNK + 7
+        dest = torch.empty(n, dtype=torch.uint8)
+        order.clear()
+        transport.exchange(
+            [Outgoing(peer, b"", _expected(ctx.rank, peer, 0, n))],
+            [Incoming(peer, lambda h, m, dest=dest: dest)],
+        )
+        out[staged] = (list(order), torch.equal(dest, _expected(peer, ctx.rank, 0, n)))
+    return out
+
+
+def test_gloo_posts_receives_before_sends_so_both_directions_move_at_once(tmp_root):
+    # Issue 34: a gloo pair's "receive ready" notification posted after a send waits behind
+    # that send's payload, so the peer's data waited for ours. Receives landing in place are
+    # all posted before the first send; staged ones (one bounce buffer each) a round ahead.
+    in_place = ["recv"] * 6 + ["send"] * 6
+    staged = ["recv", "recv", "send", "recv", "send", "recv", "send", "recv", "send", "recv", "send", "send"]
+    for out in run_ranks(_both_ways_posting_order, 2, tmp_root):
+        assert out == {False: (in_place, True), True: (staged, True)}
