@@ -31,7 +31,8 @@ LAYERS: List[Tuple[str, ...]] = [
     ("service",),
     ("persistent",),
     ("manager",),
-    ("dcp",),  # DCP StorageWriter/Reader over the manager
+    # DCP StorageWriter/Reader; the Lightning and Hugging Face integrations (over the manager)
+    ("dcp", "integrations"),
     ("cli", "bench", "demo"),  # the tools
 ]
 # The root package's __init__ (lazy public exports) sits on top: it may import anything.
