@@ -105,6 +105,17 @@ def test_bench_quick_compares_every_system_with_the_baseline_and_the_limits(tmp_
         assert metric in text
     assert png.stat().st_size > 0
     assert "ours-embedded" in proc.stdout and "baseline" in proc.stdout
+    # Where each rank's restore went, by phase: a restart reads its node's copies, a node loss
+    # moves the lost node's copies from the peer; the phases add up to the restore's time.
+    (ours,) = [r for r in doc["runs"] if r["system"] == "ours-embedded"]
+    for case, moved_by in (("restart", "reads+checksums"), ("node_loss", "peer transfer")):
+        (ranks,) = ours["restore_phases"][case]  # one repetition
+        assert len(ranks) == 2
+        assert any(p.get(moved_by, 0) > 0 for p in ranks), (case, ranks)
+        assert all(p["collectives"] > 0 and p["other"] >= 0 for p in ranks)
+        total = ours["metrics"][f"restore_{case}_s"]["median"]
+        assert max(sum(v for k, v in p.items() if "/" not in k) for p in ranks) <= total * 1.05
+    assert "restore breakdown, ours-embedded 64M W=2 restart, rank 0" in proc.stdout
 
 
 # ---- --device ----------------------------------------------------------------------------------

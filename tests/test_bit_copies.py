@@ -14,6 +14,8 @@ CUDA too where a GPU is present.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -91,8 +93,9 @@ def _recorded_copies():
     orig_copy, orig_to, orig_foreach = torch.Tensor.copy_, torch.Tensor.to, torch._foreach_copy_
 
     def note(what, *tensors):
+        caller = sys._getframe(2).f_code.co_filename  # who asked torch for the copy
         with lock:
-            seen.append((what, tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor))))
+            seen.append((what, tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)), caller))
 
     def copy_(self, src, *a, **k):
         note("copy_", self, src)
@@ -115,31 +118,38 @@ def _recorded_copies():
         torch.Tensor.copy_, torch.Tensor.to, torch._foreach_copy_ = orig_copy, orig_to, orig_foreach
 
 
-def _float_copies(seen):
+def _float_copies(seen, ours_only: bool = False):
+    """The recorded copies of floating-point values; ``ours_only``: those resilient_ckpt's own
+    code asked for (a framework's copies outside it — DCP's, Megatron-core's — set aside)."""
     floating = ("float", "bfloat", "half", "complex", "bool")
-    return [s for s in seen if any(d.startswith("torch." + f) for d in s[1] for f in floating)]
+    return [
+        s
+        for s in seen
+        if any(d.startswith("torch." + f) for d in s[1] for f in floating)
+        and (not ours_only or f"{os.sep}resilient_ckpt{os.sep}" in s[2])
+    ]
 
 
 WS = 2
 
 
-def _state(rank: int, step: int, ws: int = WS):
+def _state(rank: int, step: int, ws: int = WS, cls=ShardedTensor):
     ts = {}
     for i, dtype in enumerate(DTYPES):
         whole = _patterns(dtype, 4096, seed=100 * step + i)
-        ts[str(dtype)] = ShardedTensor.from_rank_offsets(
+        ts[str(dtype)] = cls.from_rank_offsets(
             str(dtype), whole.view(ws, -1)[rank].clone(), (0, rank, ws), replica_id=0
         )
     ts["step"] = step
     return ts
 
 
-def _template(rank: int, ws: int, strided: bool):
+def _template(rank: int, ws: int, strided: bool, cls=ShardedTensor):
     out = {}
     for dtype in DTYPES:
         n = 4096 // ws
         t = torch.zeros(2 * n, dtype=dtype)[::2] if strided else torch.zeros(n, dtype=dtype)
-        out[str(dtype)] = ShardedTensor.from_rank_offsets(
+        out[str(dtype)] = cls.from_rank_offsets(
             str(dtype), t.reshape(1, n)[0] if not strided else t, (0, rank, ws), replica_id=0
         )
     out["step"] = 0
@@ -218,3 +228,85 @@ def test_an_elastic_restore_copies_no_value_of_any_dtype(tmp_root):
     [(float_copies, exact, it)] = run_ranks(_restore_on_one, 1, tmp_root, ranks_per_node=1)
     assert it == 10 and exact
     assert float_copies == [], f"copied values (not bytes): {float_copies[:5]}"
+
+
+# ---- through PyTorch DCP's storage writer and reader -------------------------------------------
+
+
+def _dcp_state(rank: int, step: int):
+    """Plain tensors of every dtype holding every bit pattern (DCP saves and loads them whole:
+    one rank's own tensors, as for a DDP-replicated or per-rank state)."""
+    return {
+        f"r{rank}.{d}": _patterns(d, 2048, seed=1000 * step + 10 * rank + i) for i, d in enumerate(DTYPES)
+    }
+
+
+def _dcp_save_and_load_recording(ctx):
+    import torch.distributed.checkpoint as dcp
+
+    from resilient_ckpt.dcp import MemoryStorageReader, MemoryStorageWriter
+    from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+
+    state = _dcp_state(ctx.rank, 7)
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    with _recorded_copies() as seen:
+        m = CheckpointManager("bits-dcp", store_root=ctx.store_root, ranks_per_node=1, timeout_s=30)
+        dcp.save(state, storage_writer=MemoryStorageWriter(m), checkpoint_id="run/step-7")
+        m.wait_for_saves()
+        reader = MemoryStorageReader(m)
+        reader.find_latest()
+        dcp.load(template, storage_reader=reader)
+        m.close()
+    exact = all(_same_bytes(template[k], state[k]) for k in state)
+    return _float_copies(seen, ours_only=True), _float_copies(seen), exact, len(seen)
+
+
+@pytest.mark.multiprocess
+def test_dcp_writer_and_reader_copy_no_value_of_any_dtype(tmp_root):
+    out = run_ranks(_dcp_save_and_load_recording, WS, tmp_root, ranks_per_node=1)
+    for rank, (ours, every, exact, copies) in enumerate(out):
+        assert exact and copies > 0, rank
+        assert ours == [], f"rank {rank}: resilient_ckpt copied values (not bytes): {ours[:5]}"
+        # DCP itself (its planner and load path) asked for no value copy of this state either
+        assert every == [], f"rank {rank}: a value copy outside resilient_ckpt: {every[:5]}"
+
+
+# ---- Megatron-LM's local checkpointing through the drop-in LocalCheckpointManager -------------
+
+
+def _megatron_sequence_recording(ctx):
+    """checkpointing.py's calls: Megatron-core's MCoreTensorAwareStateDict.from_state_dict, our
+    LocalCheckpointManager's save / find_latest / load, to_state_dict into a template."""
+    import warnings
+
+    from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+
+    from resilient_ckpt import LocalCheckpointManager
+    from resilient_ckpt.bench.baseline import apply_cpu_patches
+
+    apply_cpu_patches()  # Megatron-core's exchange moves buffers through CUDA otherwise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor as MCoreShardedTensor
+        from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    state = _state(ctx.rank, 30, cls=MCoreShardedTensor)
+    with _recorded_copies() as seen:
+        strategy = CliqueReplicationStrategy.from_replication_params(1, 2)
+        manager = LocalCheckpointManager(ctx.store_root, repl_strategy=strategy)
+        tasd, _ = MCoreTensorAwareStateDict.from_state_dict(state, algo="fully_parallel")
+        manager.save(tasd, 30, is_async=False)
+        latest = manager.find_latest()
+        loaded, _ = manager.load()
+        template = _template(ctx.rank, WS, False, cls=MCoreShardedTensor)
+        restored = loaded.to_state_dict(template, algo="fully_parallel")
+    exact = all(_same_bytes(restored[k], state[k].data) for k in state if k != "step")
+    return _float_copies(seen, ours_only=True), exact, latest, len(seen)
+
+
+@pytest.mark.multiprocess
+def test_the_megatron_drop_in_copies_no_value_of_any_dtype(tmp_root):
+    out = run_ranks(_megatron_sequence_recording, WS, tmp_root, ranks_per_node=1)
+    for rank, (ours, exact, latest, copies) in enumerate(out):
+        assert latest == 30 and exact and copies > 0, rank
+        assert ours == [], f"rank {rank}: resilient_ckpt copied values (not bytes): {ours[:5]}"

@@ -215,6 +215,7 @@ def _restore_on_cuda(ctx):
         state, it = m.load_local(_rank_state(ctx.rank, ctx.world_size, 0, fill=False))
         torch.cuda.synchronize()
         source = m.last_load_metrics.source
+        readers = dict(m.last_load_metrics.reader_seconds)
     finally:
         m.close()
     want = dict(_leaves(_rank_state(ctx.rank, ctx.world_size, it)))
@@ -227,6 +228,7 @@ def _restore_on_cuda(ctx):
         and all(_same_bytes(got[k], want[k].data) for k in tensors)
         and got["step"] == it,
         "on_cuda": sorted(k for k in tensors if got[k].device.type != "cuda"),
+        "readers": readers,
     }
     # The job's own gloo group still pairs up after the restore (the manager used its own).
     total = torch.tensor([float(ctx.rank + 1)])
@@ -245,6 +247,8 @@ def test_two_nodes_on_one_gpu_restore_a_replaced_node_from_its_peer_into_cuda_te
     assert [o["exact"] for o in out] == [True, True]
     assert [o["on_cuda"] for o in out] == [[], []], "restored tensors left on another device"
     assert [o["all_reduce"] for o in out] == [3.0, 3.0]
+    # The local rank's reads went store -> pinned ring -> device: the breakdown says so.
+    assert out[0]["readers"].get("pread", 0) > 0 and out[0]["readers"].get("H2D queued", 0) > 0, out[0]
 
 
 # ---- d. a CUDA model and AdamW through TrainState and CheckpointHook -------------------------------

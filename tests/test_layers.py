@@ -23,7 +23,7 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 # Written once, here; the "Layers" table of docs/architecture.md mirrors it (the last test
 # checks that the two agree). Entries are top-level modules/packages of resilient_ckpt.
 LAYERS: List[Tuple[str, ...]] = [
-    ("errors", "version", "gc_pause", "fork_safe_locks", "ports", "thread_pools", "bits"),
+    ("errors", "version", "gc_pause", "fork_safe_locks", "ports", "thread_pools", "bits", "timing"),
     ("model",),
     ("parallel",),
     ("memory",),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ..manager.checkpoint_manager import CheckpointManager
 from .launcher import RankContext
@@ -72,6 +72,14 @@ class EmbeddedSystem:
         if result is None:
             raise RuntimeError("ours-embedded: no complete local checkpoint found")
         return result[0]
+
+    def restore_phases(self) -> Optional[Dict[str, float]]:
+        """Seconds per phase of the last restore on this rank (``LoadMetrics.phases``), and the
+        reader threads' seconds as ``readers/<kind>``."""
+        m = self.manager.last_load_metrics
+        if m is None or not m.phases:
+            return None
+        return {**m.phases, **{f"readers/{k}": v for k, v in m.reader_seconds.items()}}
 
     def teardown(self) -> None:
         self.manager.close()

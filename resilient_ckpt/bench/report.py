@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from typing import Any, Dict, List, Optional
 
 from .workload import expected_saved_bytes, format_size
@@ -303,6 +304,7 @@ def render(doc: Dict[str, Any], con=None) -> None:
         con.print(format_limits(doc["limits"]), markup=False, highlight=False)
     con.print(f"peak RSS: {doc['rss_method']}", markup=False, highlight=False)
     _render_every_save(runs, con)
+    _render_restore_phases(runs, con)
     patched = doc.get("patched", doc.get("patched_for_cpu"))
     if patched:
         device = doc.get("config", {}).get("device", "cpu")
@@ -397,6 +399,38 @@ def _render_every_save(runs: List[Dict[str, Any]], con) -> None:
                 markup=False,
                 highlight=False,
             )
+
+
+def restore_phase_lines(run: Dict[str, Any]) -> List[str]:
+    """Per restore case and rank: the median over repetitions of each phase's seconds
+    (``resilient_ckpt.timing``; phases are self time, "other" is what none covered)."""
+    from ..timing import COLLECTIVES, COPY, DECODE, DEVICE, OTHER, PEERS, READS
+
+    order = [READS, PEERS, COLLECTIVES, DECODE, COPY, DEVICE, OTHER]
+    lines = []
+    for case, reps in (run.get("restore_phases") or {}).items():
+        for rank in range(len(reps[0]) if reps else 0):
+            per = [rep[rank] for rep in reps if rank < len(rep)]
+            keys = {k for p in per for k in p}
+            med = {k: statistics.median(p.get(k, 0.0) for p in per) for k in keys}
+            mine = [k for k in order if k in med] + sorted(k for k in keys - set(order) if "/" not in k)
+            parts = ", ".join(f"{k} {med[k]:.3f}" for k in mine if med[k] or k == OTHER)
+            readers = ", ".join(
+                f"{k.split('/', 1)[1]} {med[k]:.3f}" for k in sorted(keys) if k.startswith("readers/")
+            )
+            lines.append(
+                f"restore breakdown, {run['system']} {format_size(run['bytes_per_rank'])} "
+                f"W={run['world_size']} {case}, rank {rank} (s, median of {len(per)}): {parts}; "
+                f"sum {sum(med[k] for k in mine):.3f}"
+                + (f" | reader threads (s, summed): {readers}" if readers else "")
+            )
+    return lines
+
+
+def _render_restore_phases(runs: List[Dict[str, Any]], con) -> None:
+    for r in runs:
+        for line in restore_phase_lines(r):
+            con.print(line, markup=False, highlight=False)
 
 
 # --- files ---------------------------------------------------------------------------------

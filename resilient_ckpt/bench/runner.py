@@ -53,6 +53,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..errors import ValidationError
+from ..timing import DEVICE
 from .fabric import Fabric, LinkShape, format_rate, parse_rate
 
 # RankContext and node_store_root are part of the System interface, so named here too.
@@ -361,6 +362,7 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     with PrivateMemory() as private:
         t0 = time.perf_counter()
         restored = system.restore(template)
+        returned = time.perf_counter()
         if device != "cpu":
             # restored means usable: copies a system left in flight on the GPU count
             import torch
@@ -368,6 +370,11 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
     peak = peak_rss_bytes()
+    # Where this rank's restore spent its time, when the system can say (ours: by phase); the
+    # device copies still in flight when it returned are waited for here.
+    phases = system.restore_phases() if hasattr(system, "restore_phases") else None
+    if phases is not None and device != "cpu":
+        phases[DEVICE] = phases.get(DEVICE, 0.0) + t1 - returned
     del template, tmpl
     problems = verify(
         restored,
@@ -379,6 +386,7 @@ def _restore_phase(ctx: RankContext, spec: RunSpec) -> Dict[str, Any]:
     system.teardown()
     return {
         "restore_s": t1 - t0,
+        "phases": phases,
         "peak_rss_bytes": peak,
         "peak_private_bytes": private.peak,
         "peak_unshared_bytes": private.peak_unshared,
@@ -550,6 +558,8 @@ class _Tally:
     per_rep: Dict[str, List[Any]] = field(default_factory=lambda: {k: [] for k in _REP_METRICS})
     errors: List[str] = field(default_factory=list)
     rss_reset_ok: bool = True
+    #: per restore case: per repetition, every rank's seconds by phase (systems that say)
+    restore_phases: Dict[str, List[List[Dict[str, float]]]] = field(default_factory=dict)
 
 
 def _start_cluster(cls: type, cluster: ClusterSpec) -> Optional[NodeServices]:
@@ -612,6 +622,8 @@ def _restore_phases(
             lose_node(cluster, services, 0)
         res = cfg.launch_phase(_restore_phase, cluster, "restore", services)
         per_rep[metric].append(max(r["restore_s"] for r in res))
+        if all(r.get("phases") for r in res):
+            tally.restore_phases.setdefault(case, []).append([r["phases"] for r in res])
         peak = max(r["peak_rss_bytes"] for r in res)
         per_rep[f"peak_rss_restore_{case}_bytes"].append(peak)
         per_rep.setdefault(f"peak_private_restore_{case}_bytes", [None] * rep).append(
@@ -721,6 +733,7 @@ def run_config(
         "expected_saved_bytes": expected_saved_bytes(bytes_per_rank, world_size),
         "rss_reset": tally.rss_reset_ok,
         "metrics": {k: _metric(v) for k, v in tally.per_rep.items()},
+        "restore_phases": tally.restore_phases,
         "errors": tally.errors,
     }
 

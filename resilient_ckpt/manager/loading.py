@@ -35,6 +35,7 @@ from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import group_of
 from ..replication.parity_peer import rebuild_lost
 from ..replication.placement import plan_retrieval
+from ..timing import COPY, DECODE, DEVICE, PhaseClock, phase
 from .metrics import LoadMetrics
 from .restore import Holdings, Retrieved, gather_holdings, retrieve
 from .restore_plan import PERSISTENT, RESHARDED, RestorePlan, plan_restore
@@ -153,8 +154,14 @@ class LoadPath:
         # The collector paused throughout: a restore makes many small objects (headers, shard
         # tables, plans) and no cyclic garbage; collections triggered meanwhile walked every
         # live object of the trainer (1-4 ms per restore at 256 MiB, on every rank).
-        with paused_gc():
-            return self._load_local(template, strict, reshard_objects, elastic_template)
+        with paused_gc(), PhaseClock() as clock:
+            out = self._load_local(template, strict, reshard_objects, elastic_template)
+        # Where the time went (collectives, reads and checksums, peers, copies, device waits):
+        # what bounds a restore on this machine (``resilient-ckpt bench`` prints it per rank).
+        if self.last_load_metrics is not None:
+            self.last_load_metrics.phases = clock.breakdown()
+            self.last_load_metrics.reader_seconds = dict(clock.busy)
+        return out
 
     def _load_local(self, template, strict, reshard_objects, elastic_template) -> Optional[Tuple[Any, int]]:
         request = self._restore_request(template, strict, reshard_objects, elastic_template)
@@ -705,9 +712,10 @@ class LoadPath:
         """:meth:`_decode` without its collective: (the state dict, None) or (None, the error
         to raise together, naming the likely cause)."""
         try:
-            if is_opaque(retrieved.header.meta):
-                return load_opaque(retrieved.tensors[0], self.options.allow_pickle), None
-            return self._rebuild(retrieved), None
+            with phase(DECODE):
+                if is_opaque(retrieved.header.meta):
+                    return load_opaque(retrieved.tensors[0], self.options.allow_pickle), None
+                return self._rebuild(retrieved), None
         except Exception as e:
             err = CheckpointingException(
                 f"rank {self.rank} could not rebuild its state dict from iteration {iteration}: "
@@ -752,6 +760,8 @@ def _restore_devices(tasd: MCoreTensorAwareStateDict) -> None:
     if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
         logger.warning("checkpoint was saved from CUDA tensors; restoring on CPU (no GPU here)")
         return
-    tasd.restore_tensor_device(non_blocking=True)
+    with phase(COPY):
+        tasd.restore_tensor_device(non_blocking=True)
     if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
+        with phase(DEVICE):
+            torch.cuda.current_stream().synchronize()

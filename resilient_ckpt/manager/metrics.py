@@ -58,6 +58,12 @@ class LoadMetrics:
     #: when nothing could be restored although memory held part of a checkpoint: the owner
     #: ranks whose data was missing from the newest iteration
     missing_owners: List[int] = field(default_factory=list)
+    #: seconds per phase of the restore on this rank (``resilient_ckpt.timing``: collectives,
+    #: reads+checksums, peer transfer, copy to targets, device wait, decode, other)
+    phases: Dict[str, float] = field(default_factory=dict)
+    #: seconds the reader threads spent for it, summed over threads (pread, checksum, ring slot
+    #: wait, H2D queued): what the "reads+checksums" phase waited for
+    reader_seconds: Dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)

@@ -33,6 +33,7 @@ from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import ParityGroup, recoverable_owners
 from ..replication.placement import Fetch, plan_retrieval
 from ..replication.transport import Incoming, Outgoing, P2PTransport
+from ..timing import PEERS, phase
 
 logger = logging.getLogger(__name__)
 
@@ -416,7 +417,8 @@ def _execute(at: "_Attempt", plan: Sequence[Fetch], transport):
         if outgoing or incoming:
             if transport is None:
                 raise CheckpointingException("a remote checkpoint copy is needed but no transport is set up")
-            transport.exchange(outgoing, incoming)
+            with phase(PEERS):
+                transport.exchange(outgoing, incoming)
         # Unmapped when the last tensor viewing them is gone (never close() under a live view).
         del outgoing
         maps.clear()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -26,6 +27,7 @@ import torch
 import xxhash
 
 from ..thread_pools import LazyThreadPool
+from ..timing import READS, PhaseClock, current, phase
 from .checksum import byte_view, digest
 
 #: bytes moved per step: big enough for full-rate preads and H2D copies, small enough that a
@@ -152,8 +154,9 @@ class Pending:
     def wait(self):
         if not self._done:
             try:
-                for f in self._futures:
-                    f.result()
+                with phase(READS):
+                    for f in self._futures:
+                        f.result()
             finally:
                 self._done = True
                 self._result = self._finish()
@@ -166,8 +169,9 @@ def _run(jobs: list, fn, threads: int) -> list:
     not per job: submitting ~100 jobs one by one to threads already busy with the first ones
     held the caller 4-5 ms (2 vCPUs, 256 MiB restore)."""
     if threads <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            fn(job)
+        with phase(READS):
+            for job in jobs:
+                fn(job)
         return []
     queue = iter(jobs)
     lock = threading.Lock()
@@ -202,19 +206,25 @@ def start_reads(sources: Sequence[Tuple[str, Sequence[Read]]], threads: int = DE
     short: List[List[int]] = [[] for _ in sources]
     lock = threading.Lock()
     fds: List[int] = []
+    busy = _Busy(current())
 
     def move(job: Tuple[int, List[Read]]) -> None:
         k, unit = job
         fd = fds[k]
         if len(unit) > 1:
             done = (
-                _batch_to_device(fd, unit, ring, stream)
+                _batch_to_device(fd, unit, ring, stream, busy)
                 if unit[0].target.is_cuda
-                else _batch_to_host(fd, unit)
+                else _batch_to_host(fd, unit, busy)
             )
         else:
             r = unit[0]
-            done = [(r.index, *(_to_device(fd, r, ring, stream) if r.target.is_cuda else _to_host(fd, r)))]
+            done = [
+                (
+                    r.index,
+                    *(_to_device(fd, r, ring, stream, busy) if r.target.is_cuda else _to_host(fd, r, busy)),
+                )
+            ]
         bad = [(index, complete) for index, ok, complete in done if not (ok and complete)]
         if bad:
             with lock:
@@ -257,10 +267,14 @@ def start_checks(
     view = byte_view(data) if data.numel() else memoryview(b"")
     failed: List[int] = []
     lock = threading.Lock()
+    busy = _Busy(current())
 
     def check(job: Tuple[int, Tuple[int, int, Optional[int]]]) -> None:
         index, (offset, nbytes, expected) = job
-        if expected is not None and digest(view[offset : offset + nbytes]) != expected:
+        t0 = time.perf_counter()
+        bad = expected is not None and digest(view[offset : offset + nbytes]) != expected
+        busy.since(CHECKSUM, t0)
+        if bad:
             with lock:
                 failed.append(index)
 
@@ -303,7 +317,7 @@ def _units(reads: Sequence[Read]) -> List[List[Read]]:
     return units
 
 
-def _batch_to_host(fd: int, batch: Sequence[Read]) -> List[Tuple[int, bool, bool]]:
+def _batch_to_host(fd: int, batch: Sequence[Read], busy: "_Busy") -> List[Tuple[int, bool, bool]]:
     """(index, checksum ok, complete) per read: the batch's file span read by one ``preadv``
     into the targets (padding between them into a scratch buffer)."""
     views = [_flat_bytes(r.target).numpy() for r in batch]
@@ -314,38 +328,72 @@ def _batch_to_host(fd: int, batch: Sequence[Read]) -> List[Tuple[int, bool, bool
             iov.append(_GAP[: r.offset - pos])
         iov.append(v)
         pos = r.offset + r.nbytes
+    t0 = time.perf_counter()
     if os.preadv(fd, iov, batch[0].offset) != pos - batch[0].offset:
-        return [(r.index, *_to_host(fd, r)) for r in batch]  # short: read one by one to say which
-    return [(r.index, r.checksum is None or digest(v) == r.checksum, True) for r, v in zip(batch, views)]
+        return [(r.index, *_to_host(fd, r, busy)) for r in batch]  # short: read one by one to say which
+    t0 = busy.since(PREAD, t0)
+    out = [(r.index, r.checksum is None or digest(v) == r.checksum, True) for r, v in zip(batch, views)]
+    busy.since(CHECKSUM, t0)
+    return out
 
 
 def _batch_to_device(
-    fd: int, batch: Sequence[Read], ring: PinnedRing, stream
+    fd: int, batch: Sequence[Read], ring: PinnedRing, stream, busy: "_Busy"
 ) -> List[Tuple[int, bool, bool]]:
     """(index, checksum ok, complete) per read: the batch's file span read into one ring slot,
     each read verified there and copied to its CUDA target."""
     start = batch[0].offset
     total = batch[-1].offset + batch[-1].nbytes - start
+    t0 = time.perf_counter()
     slot = ring.take()
+    t0 = busy.since(SLOT_WAIT, t0)
     buf = ring.buffer(slot)
     event = None
     try:
         view = byte_view(buf)[:total]
         if pread_full(fd, view, start) != total:
             return [(r.index, False, False) for r in batch]
+        t0 = busy.since(PREAD, t0)
         out = []
+        for r in batch:
+            a = r.offset - start
+            out.append((r.index, r.checksum is None or digest(view[a : a + r.nbytes]) == r.checksum, True))
+        t0 = busy.since(CHECKSUM, t0)
         with torch.cuda.stream(stream):
             for r in batch:
                 a = r.offset - start
-                out.append(
-                    (r.index, r.checksum is None or digest(view[a : a + r.nbytes]) == r.checksum, True)
-                )
                 _flat_bytes(r.target).copy_(buf[a : a + r.nbytes], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
+        busy.since(H2D_QUEUE, t0)
         return out
     finally:
         ring.give(slot, event)
+
+
+# What the reader threads' time goes to (``timing.PhaseClock.busy``, summed over threads): a
+# restore waiting on READS is bound by whichever of these is largest — the kernel's copy out of
+# the store, the hash, a ring slot whose H2D copy has not run yet, or queuing H2D copies.
+PREAD = "pread"
+CHECKSUM = "checksum"
+SLOT_WAIT = "ring slot wait (H2D behind)"
+H2D_QUEUE = "H2D queued"
+
+
+class _Busy:
+    """Adds a reader thread's seconds to the restore's clock (a no-op without one)."""
+
+    __slots__ = ("clock",)
+
+    def __init__(self, clock: Optional[PhaseClock]):
+        self.clock = clock
+
+    def since(self, name: str, t0: float) -> float:
+        """Count the time since ``t0`` as ``name``; returns now (the next step's ``t0``)."""
+        t = time.perf_counter()
+        if self.clock is not None:
+            self.clock.add_busy(name, t - t0)
+        return t
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -366,36 +414,44 @@ def pread_full(fd: int, view, offset: int) -> int:
     return done
 
 
-def _to_host(fd: int, r: Read):
+def _to_host(fd: int, r: Read, busy: "_Busy"):
     """(checksum ok, read complete): ``r`` read chunk by chunk into its CPU target."""
     view = byte_view(r.target)
     h = xxhash.xxh3_64()
     for start in range(0, r.nbytes, CHUNK_BYTES):
         part = view[start : start + CHUNK_BYTES]
+        t0 = time.perf_counter()
         if pread_full(fd, part, r.offset + start) != len(part):
             return False, False
+        t0 = busy.since(PREAD, t0)
         h.update(part)
+        busy.since(CHECKSUM, t0)
     return r.checksum is None or h.intdigest() == r.checksum, True
 
 
-def _to_device(fd: int, r: Read, ring: PinnedRing, stream):
+def _to_device(fd: int, r: Read, ring: PinnedRing, stream, busy: "_Busy"):
     """(checksum ok, read complete): ``r`` through ring slots into its CUDA target."""
     dst = _flat_bytes(r.target)
     h = xxhash.xxh3_64()
     for start in range(0, r.nbytes, ring.chunk):
         n = min(ring.chunk, r.nbytes - start)
+        t0 = time.perf_counter()
         slot = ring.take()
+        t0 = busy.since(SLOT_WAIT, t0)
         buf = ring.buffer(slot)
         event = None
         try:
             view = byte_view(buf)[:n]
             if pread_full(fd, view, r.offset + start) != n:
                 return False, False
+            t0 = busy.since(PREAD, t0)
             h.update(view)
+            t0 = busy.since(CHECKSUM, t0)
             with torch.cuda.stream(stream):
                 dst[start : start + n].copy_(buf[:n], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
+            busy.since(H2D_QUEUE, t0)
         finally:
             ring.give(slot, event)
     return r.checksum is None or h.intdigest() == r.checksum, True

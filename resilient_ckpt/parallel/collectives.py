@@ -7,6 +7,7 @@ tensors. On NCCL groups the byte tensors live on the current CUDA device.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointingException, CollectiveTimeoutError, PeerFailedError
 from ..gc_pause import paused_gc
+from ..timing import COLLECTIVES, phase
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
@@ -108,6 +110,19 @@ def first_round_bytes(n: int) -> int:
     return max(FIRST_ROUND_MIN, FIRST_ROUND_TOTAL // max(n, 1))
 
 
+def _phase_marked(fn):
+    """The collective's time counts as :data:`~resilient_ckpt.timing.COLLECTIVES` (waiting for
+    the other ranks included) in a restore's breakdown."""
+
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        with phase(COLLECTIVES):
+            return fn(*args, **kwargs)
+
+    return marked
+
+
+@_phase_marked
 def all_gather_bytes(payload: bytes, group: Optional[dist.ProcessGroup] = None) -> List[bytes]:
     """Every rank's ``payload`` in group-rank order. One collective when every payload fits
     the first round's frame (:func:`first_round_bytes`), else a second one for the rest
@@ -150,6 +165,7 @@ def all_gather_msgpack(obj: Any, group: Optional[dist.ProcessGroup] = None) -> L
         return [msgpack.unpackb(r, raw=False, strict_map_key=False, use_list=True) for r in raw]
 
 
+@_phase_marked
 def all_to_all_msgpack(per_rank: Sequence[Any], group: Optional[dist.ProcessGroup] = None) -> List[Any]:
     """Personalised exchange: this rank sends ``per_rank[r]`` to group rank ``r`` and gets, in
     group-rank order, what every rank sent it (two ``all_to_all_single``: sizes, then bytes).
@@ -193,6 +209,7 @@ def broadcast_msgpack(obj: Any, src: int, group: Optional[dist.ProcessGroup] = N
     return all_gather_msgpack(obj if group_rank(group) == src else None, group)[src]
 
 
+@_phase_marked
 def all_reduce_int(value: int, op: str, group: Optional[dist.ProcessGroup] = None) -> int:
     """MIN / MAX / SUM of one int64 across the group: the cheap agreement primitive."""
     if group_size(group) == 1:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..bits import bits
 from ..errors import CheckpointingException, ValidationError
 from ..model.mapping import ShardId
+from ..timing import PEERS, phase
 from . import collectives
 
 logger = logging.getLogger(__name__)
@@ -149,10 +150,11 @@ def execute_exchange(
     if not plan.transfers:
         return received
     try:
-        if exchange_algo == "p2p":
-            _run_p2p(plan, held, received, me, group, dev, bucket_bytes)
-        else:
-            _run_broadcast(plan, held, received, me, group, dev, bucket_bytes)
+        with phase(PEERS):
+            if exchange_algo == "p2p":
+                _run_p2p(plan, held, received, me, group, dev, bucket_bytes)
+            else:
+                _run_broadcast(plan, held, received, me, group, dev, bucket_bytes)
     except RuntimeError as e:
         raise CheckpointingException(
             f"shard exchange ({exchange_algo}) failed on rank {me}: {str(e).strip()[:400]} — a peer "

@@ -13,6 +13,7 @@ import torch
 from ..bits import copy_bits
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..model.nested import map_leaves_inplace
+from ..timing import COPY, phase
 from .load_checks import LoadRequest
 
 
@@ -51,7 +52,8 @@ def fill_template(req: LoadRequest, loaded, targets, objects, unexpected) -> Any
         return v
 
     sharded = req.sharded
-    map_leaves_inplace(fill, sharded)
+    with phase(COPY):  # on a GPU: the H2D copies queued
+        map_leaves_inplace(fill, sharded)
     return apply_factory_merges(_drop_marked(sharded), req.factories)
 
 
