@@ -5,6 +5,9 @@
 :mod:`.baseline` (the system we are measured against), :mod:`.launcher` (rank processes,
 shared by the runner and the limits), :mod:`.runner` (phases, configurations, the
 :class:`~.runner.System` interface), :mod:`.report` (tables, JSON, plot).
+``resilient-ckpt bench --control-plane`` runs :func:`resilient_ckpt.bench.control_plane.main`
+(the package :mod:`.control_plane`: workload, phase profiler, real ranks, simulated world
+sizes, report).
 
 Nothing heavy is imported here: rank processes import only what their phase needs.
 """
