@@ -9,7 +9,7 @@ Same as ``resilient-ckpt bench``; see docs/benchmarks.md. Example:
 
 import sys
 
-from resilient_ckpt.bench.runner import main
+from resilient_ckpt.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,7 +42,7 @@ def test_a_tool_command_without_the_tools_extra_says_so_in_one_line(command, blo
     "module,command,argv",
     [
         ("demo.orchestrator", "demo", []),
-        ("bench.runner", "bench", ["--quick"]),
+        ("bench.main", "bench", ["--quick"]),
     ],
 )
 def test_the_tool_mains_check_for_the_extra_before_any_work(module, command, argv):
@@ -122,9 +122,9 @@ def test_bench_quick_compares_every_system_with_the_baseline_and_the_limits(tmp_
 
 
 def test_bench_device_defaults_to_cpu_and_accepts_only_cpu_or_cuda(capsys):
-    from resilient_ckpt.bench import runner
+    from resilient_ckpt.bench import main as bench
 
-    parser = runner.build_parser()
+    parser = bench.build_parser()
     assert parser.parse_args([]).device == "cpu"
     assert parser.parse_args(["--device", "cuda"]).device == "cuda"
     with pytest.raises(SystemExit) as e:

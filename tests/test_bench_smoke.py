@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilient_ckpt.bench import limits, runner, workload
+from resilient_ckpt.bench import main as bench
 from resilient_ckpt.bench.workload import Workload, layout, parse_size, verify
 from resilient_ckpt.errors import ValidationError
 from resilient_ckpt.model.nested import map_leaves
@@ -263,7 +264,7 @@ def test_a_save_that_reads_tensors_after_returning_fails_the_bit_exact_check(tmp
     out = tmp_path / "r.json"
     # one flag and its value per line
     # fmt: off
-    rc = runner.main([
+    rc = bench.main([
         "--sizes", "1M", "--world-sizes", "2", "--reps", "1", "--no-limits",
         "--systems", "test_bench_smoke:EagerSystem,test_bench_smoke:LazySystem",
         "--json", str(out),
@@ -279,7 +280,7 @@ def test_a_save_that_reads_tensors_after_returning_fails_the_bit_exact_check(tmp
 
 def test_an_unimportable_system_is_skipped_with_a_line(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = runner.main(["--quick", "--no-limits", "--systems", "no_such_module:System", "--json", str(out)])
+    rc = bench.main(["--quick", "--no-limits", "--systems", "no_such_module:System", "--json", str(out)])
     assert rc == 0
     assert "skipping no_such_module:System" in capsys.readouterr().out
     doc = json.loads(out.read_text())
@@ -288,14 +289,14 @@ def test_an_unimportable_system_is_skipped_with_a_line(tmp_path, capsys):
 
 def test_an_unknown_system_name_is_rejected_with_the_choices():
     with pytest.raises(ValidationError, match="ours-embedded"):
-        runner.main(["--systems", "fastest", "--no-limits"])
+        bench.main(["--systems", "fastest", "--no-limits"])
 
 
 @pytest.mark.multiprocess
 def test_quick_baseline_run_writes_json_with_metrics_limits_and_dedup(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     size = 16 * MIB
-    rc = runner.main(
+    rc = bench.main(
         ["--quick", "--sizes", "16M", "--systems", "baseline", "--json", str(out), "--plot", str(png)]
     )
     assert rc == 0

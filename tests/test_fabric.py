@@ -162,10 +162,10 @@ time.sleep(300)
 
 
 def test_bench_link_rates_need_the_netns_fabric():
-    from resilient_ckpt.bench import runner
+    from resilient_ckpt.bench import main as bench
 
     with pytest.raises(ValidationError, match="--fabric netns"):
-        runner.main(["--link-rates", "10G", "--no-limits"])
+        bench.main(["--link-rates", "10G", "--no-limits"])
 
 
 @needs_netns
@@ -173,11 +173,11 @@ def test_bench_link_rates_need_the_netns_fabric():
 def test_bench_on_the_fabric_runs_once_per_link_rate_against_the_link_limit(tmp_path):
     import json
 
-    from resilient_ckpt.bench import runner
+    from resilient_ckpt.bench import main as bench
 
     out = tmp_path / "fabric.json"
     # fmt: off
-    rc = runner.main([
+    rc = bench.main([
         "--fabric", "netns", "--link-rates", "1G", "--sizes", "4M", "--world-sizes", "2",
         "--ranks-per-node", "1", "--reps", "1", "--warmup-saves", "1", "--no-limits",
         "--systems", "ours-embedded", "--json", str(out),

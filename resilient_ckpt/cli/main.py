@@ -24,9 +24,9 @@ def _bench(argv: List[str]) -> int:
         from ..bench import control_plane
 
         return control_plane.main([a for a in argv if a != "--control-plane"])
-    from ..bench import runner
+    from ..bench import main as bench
 
-    return runner.main(argv) or 0
+    return bench.main(argv) or 0
 
 
 def _serve(argv: List[str]) -> int:
