@@ -56,7 +56,7 @@ import inspect
 import logging
 from datetime import timedelta
 from importlib.util import find_spec
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -344,6 +344,11 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
         """Wait for outstanding local saves; report failures (warning, or raise)."""
         if self._hook is not None:
             self._hook.finish()
+
+    @property
+    def saved_iterations(self) -> List[int]:
+        """Iterations of the local saves started so far, failed ones included (our manager)."""
+        return list(self._hook.saved_steps) if self._hook is not None else []
 
     @property
     def failed_saves(self) -> int:
