@@ -69,6 +69,8 @@ FRAMEWORKS = (
     "lightning.pytorch",
     "nvidia_resiliency_ext.ptl_resiliency.local_checkpoint_callback",
     "resilient_ckpt.integrations.lightning",
+    "transformers.trainer",
+    "resilient_ckpt.integrations.huggingface",
 )
 
 _SHARED = None
