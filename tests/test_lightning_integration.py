@@ -181,3 +181,96 @@ def test_lightning_ddp_resumes_from_the_neighbours_memory_bit_exactly_after_a_no
         )
         assert run["digest"] == ref["digest"], f"rank {rank}: final parameters differ"
         assert run["failed_saves"] == 0
+
+
+def _ordering(tmp: str):
+    """In one process: the local save's copies are held back until the training thread fences;
+    the module's on_before_optimizer_step (after the callbacks', right before the update) records
+    whether they had finished. Without the callback's fence the probe would release them itself,
+    after which the copies would race the update."""
+    import threading
+
+    warnings.filterwarnings("ignore")
+    import lightning.pytorch as pl
+    import torch
+
+    from resilient_ckpt import CheckpointManager
+    from resilient_ckpt.integrations.lightning import HierarchicalCheckpointIO, LocalCheckpointCallback
+    from resilient_ckpt.memory import staging
+
+    main = threading.current_thread()
+    release, copies_done = threading.Event(), threading.Event()
+    real_copy, real_fence = staging._finish, staging.StagingHandle.fence
+
+    def held_copy(*args):
+        release.wait(timeout=60)  # the timeout only guards against a hung test
+        segment = real_copy(*args)
+        copies_done.set()
+        return segment
+
+    def fence(self, stream=None):
+        if threading.current_thread() is main:
+            release.set()  # the training thread fences the save: let the copies run
+        return real_fence(self, stream)
+
+    staging._finish = held_copy
+    staging.StagingHandle.fence = fence
+
+    seen, saved_weights = [], {}
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(torch.ones(2, 4)).pow(2).mean()
+
+        def on_before_optimizer_step(self, optimizer):
+            seen.append((self.global_step, copies_done.is_set()))
+            release.set()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # after the callbacks' (the save)
+            saved_weights[self.global_step] = {k: v.clone() for k, v in self.state_dict().items()}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.arange(8), batch_size=1)
+
+    class HoldCopies(pl.Callback):  # listed before the local callback: runs before its save
+        def on_train_batch_end(self, *args):
+            release.clear()  # the save's copies wait until someone releases them
+
+    manager = CheckpointManager(
+        session_id="ordering", store_root=os.path.join(tmp, "store"), replication_factor=1
+    )
+    io = HierarchicalCheckpointIO(None, manager, lambda p: -1, async_save=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=True,
+        default_root_dir=tmp,
+        callbacks=[HoldCopies(), LocalCheckpointCallback(every_n_train_steps=2)],
+        plugins=[io],
+    )
+    trainer.fit(Net())
+    state, iteration = manager.load_local()
+    same = all(torch.equal(state["state_dict"][k], v) for k, v in saved_weights[2].items())
+    changed = any(not torch.equal(saved_weights[2][k], v) for k, v in saved_weights[3].items())
+    manager.close()
+    return {"seen": seen, "iteration": iteration, "saved_step_2": same, "step_3_changed_them": changed}
+
+
+def test_lightning_optimizer_update_waits_for_the_local_saves_copies(zygote, tmp_path):
+    r = zygote.call_forked(_ordering, str(tmp_path))
+    # a save after global step 2 only; before the next update its copies had all been read
+    assert r["seen"] == [(0, False), (1, False), (2, True)]
+    assert r["iteration"] == 2
+    assert r["saved_step_2"], "the checkpoint holds the weights of step 2"
+    assert r["step_3_changed_them"], "which the next update changed (after the copies)"
