@@ -458,3 +458,42 @@ def test_local_ckpt_restoration(zygote, tmp_path, impl):
     # same iteration as global (384): still the local checkpoint
     assert r["steps"][3] == 4 * n
     assert "Resuming from a local checkpoint" in r["log_equal"]
+
+
+# ---- deliberate difference (not an upstream case): ckpt_path="last" with no global checkpoint -----
+
+
+def _no_global_checkpoint(impl: str, tmp: str):
+    pl, SimpleModel, LocalCheckpointCallback, manager, io_class, records = _setup(impl, tmp, "no-global")
+    starts = []
+
+    class Start(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            starts.append(trainer.global_step)
+
+    local_ckpt_callback = LocalCheckpointCallback(every_n_train_steps=4)
+    hier_ckpt_io_fn = io_class.get_partial_wrapper_constructor(manager, lambda s: 1000)
+    for max_steps in (32, 64):  # no ModelCheckpoint writes a global checkpoint
+        _run_trainining(
+            pl,
+            SimpleModel,
+            {},
+            max_steps=max_steps,
+            custom_callbacks=[local_ckpt_callback, Start()],
+            custom_checkpoint_io_fn=hier_ckpt_io_fn,
+        )
+    return {"starts": starts, "log": "\n".join(records)}
+
+
+@pytest.mark.parametrize("impl", IMPLS_WITH_MANAGER)
+def test_last_without_a_global_checkpoint_resumes_from_the_local_one(zygote, tmp_path, impl):
+    """Lightning loads for ckpt_path="last" only when a ModelCheckpoint lists a last file. The
+    reference then starts over although its local checkpoint of step 32 exists; ours lists the
+    local checkpoint and resumes from it (docs/upstream-tests.md, "Lightning", L1)."""
+    r = zygote.call_forked(_no_global_checkpoint, impl, str(tmp_path))
+    if impl == "reference":
+        assert r["starts"] == [0, 0]
+        assert "Resuming from a local checkpoint" not in r["log"]
+    else:
+        assert r["starts"] == [0, 32]
+        assert "Resuming from a local checkpoint" in r["log"]
