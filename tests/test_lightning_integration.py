@@ -23,6 +23,7 @@ import pytest
 
 from framework_zygote import Zygote
 from harness import KILLED, node_store_root
+from test_daemon import ProcessCluster
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -35,7 +36,7 @@ def zygote():
     return Zygote.shared()
 
 
-def _train(ctx, global_dir: str, kill_at: int, async_save: bool = True):
+def _train(ctx, global_dir: str, kill_at: int, endpoints=None):
     """One rank of the job: fit to STEPS with ckpt_path="last"; node 1 dies after ``kill_at``."""
     warnings.filterwarnings("ignore")
     os.environ["GROUP_RANK"] = str(ctx.node)  # with RANK/LOCAL_RANK/LOCAL_WORLD_SIZE: torchelastic's
@@ -81,12 +82,21 @@ def _train(ctx, global_dir: str, kill_at: int, async_save: bool = True):
                 trainer.strategy.checkpoint_io.finish()  # the newest complete save is known: step 6
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    manager = CheckpointManager(session_id=SESSION, store_root=ctx.store_root, timeout_s=20)
+    if endpoints is None:
+        manager = CheckpointManager(session_id=SESSION, store_root=ctx.store_root, timeout_s=20)
+    else:  # service mode: this node's daemon owns the store and replicates
+        manager = CheckpointManager(
+            session_id=SESSION,
+            store_root=ctx.store_root,
+            mode="service",
+            endpoint=endpoints[ctx.node],
+            timeout_s=20,
+        )
     io = HierarchicalCheckpointIO(
         None,
         manager,
         lambda path: torch.load(path, map_location="cpu", weights_only=False)["global_step"],
-        async_save=async_save,
+        async_save=True,
     )
     local = LocalCheckpointCallback(every_n_train_steps=EVERY)
     torch.manual_seed(0)
@@ -132,47 +142,63 @@ def _train(ctx, global_dir: str, kill_at: int, async_save: bool = True):
     return out
 
 
-def test_lightning_ddp_resumes_from_the_neighbours_memory_bit_exactly_after_a_node_loss(zygote, tmp_path):
-    ref_root, run_root = tmp_path / "reference", tmp_path / "run"
-    reference = zygote.run_ranks(
-        _train,
-        4,
-        ref_root,
-        ranks_per_node=2,
-        args=(str(ref_root / "global"), -1),
-        timeout=90,
-        collective_timeout=20,
+@pytest.fixture(scope="module")
+def reference(zygote, tmp_path_factory):
+    """The uninterrupted job (embedded mode; the numbers do not depend on the mode)."""
+    root = tmp_path_factory.mktemp("lightning-reference")
+    runs = zygote.run_ranks(
+        _train, 4, root, ranks_per_node=2, args=(str(root / "global"), -1), timeout=90, collective_timeout=20
     )
-    assert [r["global_step"] for r in reference] == [STEPS] * 4
-    assert all(r["failed_saves"] == 0 and r["complete"] == STEPS for r in reference)
-    assert all(r["restored_from"] is None for r in reference), "a fresh store: nothing to resume"
+    assert [r["global_step"] for r in runs] == [STEPS] * 4
+    assert all(r["failed_saves"] == 0 and r["complete"] == STEPS for r in runs)
+    assert all(r["restored_from"] is None for r in runs), "a fresh store: nothing to resume"
+    return runs
 
-    faulty = zygote.run_ranks(
-        _train,
-        4,
-        run_root,
-        ranks_per_node=2,
-        args=(str(run_root / "global"), KILL_AT),
-        timeout=90,
-        collective_timeout=20,
-        expect_killed=[2, 3],
-    )
-    assert [repr(r) for r in faulty[2:]] == [repr(KILLED)] * 2  # (the sentinel crossed a process)
-    assert all("failed" in r for r in faulty[:2]), faulty[:2]
-    shutil.rmtree(node_store_root(str(run_root), 1))  # node 1's memory is gone with it
 
-    resumed = zygote.run_ranks(
-        _train,
-        4,
-        run_root,
+@pytest.mark.parametrize("mode", ["embedded", "service"])
+def test_lightning_ddp_resumes_from_the_neighbours_memory_bit_exactly_after_a_node_loss(
+    zygote, reference, tmp_path, mode
+):
+    """Embedded: node 1's trainers die and its store is wiped; its ranks restore from the replicas
+    node 0's trainers hold. Service: node 1's trainers and daemon die, its store is wiped and a
+    fresh daemon replaces it; node 1's ranks ask it, and it pulls their data from node 0's daemon."""
+    run_root = tmp_path / "run"
+    run_root.mkdir()
+    cluster = ProcessCluster(run_root, 2).start() if mode == "service" else None
+    endpoints = cluster.eps if cluster else None
+    kw = dict(
         ranks_per_node=2,
-        args=(str(run_root / "global"), -1),
         timeout=90,
         collective_timeout=20,
+        extra_env=cluster.trainer_env if cluster else None,
     )
+    try:
+        faulty = zygote.run_ranks(
+            _train,
+            4,
+            run_root,
+            args=(str(run_root / "global"), KILL_AT, endpoints),
+            expect_killed=[2, 3],
+            **kw,
+        )
+        assert [repr(r) for r in faulty[2:]] == [repr(KILLED)] * 2  # (the sentinel crossed a process)
+        assert all("failed" in r for r in faulty[:2]), faulty[:2]
+        if cluster:
+            cluster.nodes[1].kill()
+        shutil.rmtree(node_store_root(str(run_root), 1))  # node 1's memory is gone with it
+        if cluster:  # the replacement node's daemon
+            cluster.nodes[1].start()
+            cluster.nodes[1].wait_ready()
+
+        resumed = zygote.run_ranks(_train, 4, run_root, args=(str(run_root / "global"), -1, endpoints), **kw)
+    finally:
+        if cluster:
+            cluster.stop()
+    # embedded: node 1's ranks read node 0's replicas; service: node 1's daemon pulled them first
+    node1_source = "peer" if mode == "embedded" else "local"
     for rank, (ref, run) in enumerate(zip(reference, resumed)):
         # global checkpoint at step 5, local at 6: the local one is newer and is restored
-        assert run["restored_from"] == {"iteration": 6, "source": "local" if rank < 2 else "peer"}, rank
+        assert run["restored_from"] == {"iteration": 6, "source": "local" if rank < 2 else node1_source}, rank
         assert any("Resuming from a local checkpoint" in m for m in run["messages"]), run["messages"]
         assert run["global_step"] == STEPS
         assert sorted(run["losses"]) == list(range(6, STEPS))
