@@ -82,19 +82,25 @@ def _train(ctx, global_dir: str, kill_at: int, endpoints=None):
                 trainer.strategy.checkpoint_io.finish()  # the newest complete save is known: step 6
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    if endpoints is None:
-        manager = CheckpointManager(session_id=SESSION, store_root=ctx.store_root, timeout_s=20)
-    else:  # service mode: this node's daemon owns the store and replicates
-        manager = CheckpointManager(
-            session_id=SESSION,
-            store_root=ctx.store_root,
-            mode="service",
-            endpoint=endpoints[ctx.node],
-            timeout_s=20,
-        )
+    made = []
+
+    def make_manager():  # called by the IO on first use (Lightning initializes torch.distributed in fit)
+        if endpoints is None:
+            m = CheckpointManager(session_id=SESSION, store_root=ctx.store_root, timeout_s=20)
+        else:  # service mode: this node's daemon owns the store and replicates
+            m = CheckpointManager(
+                session_id=SESSION,
+                store_root=ctx.store_root,
+                mode="service",
+                endpoint=endpoints[ctx.node],
+                timeout_s=20,
+            )
+        made.append(m)
+        return m
+
     io = HierarchicalCheckpointIO(
         None,
-        manager,
+        make_manager,
         lambda path: torch.load(path, map_location="cpu", weights_only=False)["global_step"],
         async_save=True,
     )
@@ -136,9 +142,10 @@ def _train(ctx, global_dir: str, kill_at: int, endpoints=None):
         "restored_from": local.restored_from,
         "failed_saves": io.failed_saves,
         "messages": messages,
-        "complete": manager.find_latest(),
+        "complete": io.local_ckpt_manager.find_latest(),
+        "managers_made": len(made),
     }
-    manager.close()
+    io.local_ckpt_manager.close()
     return out
 
 
@@ -150,7 +157,7 @@ def reference(zygote, tmp_path_factory):
         _train, 4, root, ranks_per_node=2, args=(str(root / "global"), -1), timeout=90, collective_timeout=20
     )
     assert [r["global_step"] for r in runs] == [STEPS] * 4
-    assert all(r["failed_saves"] == 0 and r["complete"] == STEPS for r in runs)
+    assert all(r["failed_saves"] == 0 and r["complete"] == STEPS and r["managers_made"] == 1 for r in runs)
     assert all(r["restored_from"] is None for r in runs), "a fresh store: nothing to resume"
     return runs
 

@@ -218,8 +218,16 @@ class LocalCheckpointCallback(pl.callbacks.ModelCheckpoint):
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, HierarchicalCheckpointIO):
             return found
+        _ensure_process_group(trainer)
         marker = io.local_resume_entry(_global_last_candidates(trainer))
         return found | {marker} if marker is not None else found
+
+
+def _ensure_process_group(trainer: "pl.Trainer") -> None:
+    """Lightning resolves ckpt_path before it initializes torch.distributed (its strategy's
+    setup_environment, run again later as a no-op); the local checkpoint's lookup is collective."""
+    if trainer.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        trainer.strategy.setup_environment()
 
 
 def _fence(trainer: "pl.Trainer") -> None:
@@ -295,21 +303,48 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
         raise_on_failure: bool = False,
     ):
         super().__init__(wrapped_checkpoint_io)
-        self.local_ckpt_manager = local_ckpt_manager
         self.get_global_ckpt_iteration_fn = get_global_ckpt_iteration_fn
         self.async_save = async_save
-        self._ours = isinstance(local_ckpt_manager, CheckpointManager)
+        self.raise_on_failure = raise_on_failure
         self._hook: Optional[CheckpointHook] = None
+        self._manager: Any = None
+        self._manager_factory: Optional[Callable[[], Any]] = None
+        if _is_manager(local_ckpt_manager):
+            self._adopt(local_ckpt_manager)
+        elif callable(local_ckpt_manager):
+            # made on first use, once Lightning has initialized torch.distributed
+            self._manager_factory = local_ckpt_manager
+        else:
+            raise ValidationError(
+                f"local_ckpt_manager must be a checkpoint manager or a function returning one, got "
+                f"{type(local_ckpt_manager).__name__}"
+            )
+        self._markers: Dict[str, Optional[str]] = {}
+
+    @property
+    def local_ckpt_manager(self) -> Any:
+        """The local manager (made by the factory given, on first use)."""
+        if self._manager is None:
+            self._adopt(self._manager_factory())
+        if self._ours:
+            _check_world(self._manager)
+        return self._manager
+
+    @property
+    def _ours(self) -> bool:
+        return isinstance(self._manager, CheckpointManager)
+
+    def _adopt(self, manager: Any) -> None:
+        self._manager = manager
         if self._ours:
             self._hook = CheckpointHook(
-                local_ckpt_manager,
+                manager,
                 every_n_steps=1,
                 state_fn=_state_given_per_save,
-                raise_on_failure=raise_on_failure,
+                raise_on_failure=self.raise_on_failure,
             )
-        elif raise_on_failure:
+        elif self.raise_on_failure:
             raise ValidationError("raise_on_failure applies to resilient_ckpt's CheckpointManager only")
-        self._markers: Dict[str, Optional[str]] = {}
 
     # ---- save ----------------------------------------------------------------------------------
 
@@ -325,9 +360,10 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
     def _save_local_checkpoint(self, checkpoint: Dict[str, Any], local_ckpt_options: Dict[str, Any]):
         iteration = local_ckpt_options["iteration"]
         is_async = local_ckpt_options.get("is_async", self.async_save)
+        manager = self.local_ckpt_manager  # made now if a factory was given
         state = self.to_tensor_aware_state_dict(checkpoint)
         if not self._ours:
-            return self.local_ckpt_manager.save(state, iteration, is_async=is_async)
+            return manager.save(state, iteration, is_async=is_async)
         # CheckpointHook: failures warned and counted (or raised), the latest save fenced on demand
         handle = self._hook.step(iteration, state_fn=lambda: state)
         if handle is not None and not is_async:
@@ -474,6 +510,21 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
                 "resilient_ckpt's CheckpointManager"
             )
         return sharded_to_lightning(tensor_aware_checkpoint)
+
+
+def _is_manager(obj: Any) -> bool:
+    return all(hasattr(obj, name) for name in ("find_latest", "load", "save"))
+
+
+def _check_world(manager: CheckpointManager) -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != manager.world_size:
+        raise ValidationError(
+            f"the CheckpointManager was constructed for {manager.world_size} process(es) but the job has "
+            f"{dist.get_world_size()}: it was made before torch.distributed was initialized (Lightning "
+            "initializes it inside fit()). Pass HierarchicalCheckpointIO a function that makes the manager, "
+            "e.g. HierarchicalCheckpointIO(None, lambda: CheckpointManager(session_id=...), fn): it is "
+            "called on first use, after the process group exists"
+        )
 
 
 def _state_given_per_save():
