@@ -91,8 +91,11 @@ def _train(ctx, out_dir: str, kill_at: int):
         seed=0,
         disable_tqdm=True,
     )
-    manager = CheckpointManager(session_id=SESSION, store_root=ctx.store_root, timeout_s=20)
-    local = LocalCheckpointCallback(manager, every_n_steps=EVERY)
+    # made on first use (resume_checkpoint), after TrainingArguments initialized torch.distributed
+    local = LocalCheckpointCallback(
+        lambda: CheckpointManager(session_id=SESSION, store_root=ctx.store_root, timeout_s=20),
+        every_n_steps=EVERY,
+    )
     trainer = RecordingTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[local, KillNode()])
     try:
         trainer.train(resume_from_checkpoint=local.resume_checkpoint(trainer))
@@ -110,7 +113,7 @@ def _train(ctx, out_dir: str, kill_at: int):
         "failed_saves": local.failed_saves,
         "messages": messages,
     }
-    manager.close()
+    local.manager.close()
     return out
 
 

@@ -46,7 +46,9 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch.distributed as dist
 
 try:
     from transformers import TrainerCallback
@@ -80,14 +82,22 @@ class LocalCheckpointCallback(TrainerCallback):
     restore's facts, or None).
     """
 
-    def __init__(self, manager: CheckpointManager, every_n_steps: int, *, raise_on_failure: bool = False):
-        if not isinstance(manager, CheckpointManager):
+    def __init__(
+        self,
+        manager: Union[CheckpointManager, Callable[[], CheckpointManager]],
+        every_n_steps: int,
+        *,
+        raise_on_failure: bool = False,
+    ):
+        if not isinstance(manager, CheckpointManager) and not callable(manager):
             raise ValidationError(
-                f"manager must be a resilient_ckpt CheckpointManager, got {type(manager).__name__}"
+                "manager must be a resilient_ckpt CheckpointManager or a function making one, got "
+                f"{type(manager).__name__}"
             )
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValidationError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
-        self.manager = manager
+        self._manager = manager if isinstance(manager, CheckpointManager) else None
+        self._manager_factory = None if isinstance(manager, CheckpointManager) else manager
         self.every_n_steps = every_n_steps
         self.raise_on_failure = raise_on_failure
         self.restored_from: Optional[Dict[str, Any]] = None
@@ -99,6 +109,22 @@ class LocalCheckpointCallback(TrainerCallback):
         self._restored: Optional[Dict[str, Any]] = None  # the local checkpoint, until applied
         self._resume_dir: Optional[str] = None
         self._originals: Dict[str, Any] = {}
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The manager (made by the function given, on first use: the Trainer's arguments
+        initialize torch.distributed, and the manager's constructor is collective)."""
+        if self._manager is None:
+            self._manager = self._manager_factory()
+        m = self._manager
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != m.world_size:
+            raise ValidationError(
+                f"the CheckpointManager was constructed for {m.world_size} process(es) but the job has "
+                f"{dist.get_world_size()}: it was made before torch.distributed was initialized (the "
+                "Trainer's TrainingArguments initialize it). Construct it after TrainingArguments, or pass "
+                "LocalCheckpointCallback a function that makes it (called on first use)"
+            )
+        return m
 
     # ---- save ----------------------------------------------------------------------------------
 
