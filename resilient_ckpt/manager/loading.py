@@ -154,13 +154,17 @@ class LoadPath:
         # The collector paused throughout: a restore makes many small objects (headers, shard
         # tables, plans) and no cyclic garbage; collections triggered meanwhile walked every
         # live object of the trainer (1-4 ms per restore at 256 MiB, on every rank).
+        earlier = self.last_load_metrics
         with paused_gc(), PhaseClock() as clock:
             out = self._load_local(template, strict, reshard_objects, elastic_template)
         # Where the time went (collectives, reads and checksums, peers, copies, device waits):
         # what bounds a restore on this machine (``resilient-ckpt bench`` prints it per rank).
-        if self.last_load_metrics is not None:
-            self.last_load_metrics.phases = clock.breakdown()
-            self.last_load_metrics.reader_seconds = dict(clock.busy)
+        # Only on this call's metrics: a restore that found nothing to say leaves an earlier
+        # restore's metrics as they were.
+        m = self.last_load_metrics
+        if m is not None and m is not earlier:
+            m.phases = clock.breakdown()
+            m.reader_seconds = dict(clock.busy)
         return out
 
     def _load_local(self, template, strict, reshard_objects, elastic_template) -> Optional[Tuple[Any, int]]:
