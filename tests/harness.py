@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -228,3 +229,38 @@ def run_ranks(
     if unexpected_kills:
         raise RankFailed(f"ranks {unexpected_kills} were expected to be killed but finished")
     return [results[r] for r in range(world_size)]
+
+
+@dataclass
+class HeldCopies:
+    """What :func:`hold_copies_until_fenced` hands back."""
+
+    release: threading.Event  # set: the held copies run
+    done: threading.Event  # set once they ran
+
+
+def hold_copies_until_fenced(patch: Callable[[Any, str, Any], None] = setattr) -> HeldCopies:
+    """Staging's copies wait until the calling (training) thread fences a save, or until
+    ``release`` is set; ``done`` is set once they ran. ``patch(obj, name, value)`` replaces the
+    two hooks: ``monkeypatch.setattr`` in the test process (undone after the test), plain
+    ``setattr`` in a rank process that ends with its test."""
+    from resilient_ckpt.memory import staging
+
+    main = threading.current_thread()
+    held = HeldCopies(threading.Event(), threading.Event())
+    real_copy, real_fence = staging._finish, staging.StagingHandle.fence
+
+    def held_copy(*args):
+        held.release.wait(timeout=60)  # the timeout only guards against a hung test
+        segment = real_copy(*args)
+        held.done.set()
+        return segment
+
+    def fence(self, stream=None):
+        if threading.current_thread() is main:
+            held.release.set()  # the training thread fences the save: let the copies run
+        return real_fence(self, stream)
+
+    patch(staging, "_finish", held_copy)
+    patch(staging.StagingHandle, "fence", fence)
+    return held

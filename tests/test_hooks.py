@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from harness import hold_copies_until_fenced
 from resilient_ckpt import CheckpointHook, CheckpointManager, ShardedTensor, TrainState
 from resilient_ckpt.errors import CheckpointingException, StoreFullError, ValidationError
 from resilient_ckpt.memory import staging
@@ -96,24 +97,8 @@ def test_optimizer_step_cannot_start_before_the_snapshot_copies_finished(tmp_roo
     registered after the hook's pre-step hook sees whether they had finished when the optimizer
     step began. Without the hook's wait the probe runs first and releases the copies itself, so
     the snapshot would also catch the updated weights."""
-    main = threading.current_thread()
-    release = threading.Event()
-    copies_done = threading.Event()
-    real_copy, real_fence = staging._finish, staging.StagingHandle.fence
-
-    def held_copy(*args):
-        release.wait(timeout=60)  # the timeout only guards against a hung test
-        segment = real_copy(*args)
-        copies_done.set()
-        return segment
-
-    def fence(self, stream=None):
-        if threading.current_thread() is main:
-            release.set()  # the training thread fences the snapshot: let the copies run
-        return real_fence(self, stream)
-
-    monkeypatch.setattr(staging, "_finish", held_copy)
-    monkeypatch.setattr(staging.StagingHandle, "fence", fence)
+    held = hold_copies_until_fenced(monkeypatch.setattr)
+    release, copies_done = held.release, held.done
 
     state = _state()
     _train_step(state)

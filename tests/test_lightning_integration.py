@@ -22,7 +22,7 @@ import warnings
 import pytest
 
 from framework_zygote import Zygote
-from harness import KILLED, node_store_root
+from harness import KILLED, hold_copies_until_fenced, node_store_root
 from test_daemon import ProcessCluster
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -221,33 +221,15 @@ def _ordering(tmp: str):
     the module's on_before_optimizer_step (after the callbacks', right before the update) records
     whether they had finished. Without the callback's fence the probe would release them itself,
     after which the copies would race the update."""
-    import threading
-
     warnings.filterwarnings("ignore")
     import lightning.pytorch as pl
     import torch
 
     from resilient_ckpt import CheckpointManager
     from resilient_ckpt.integrations.lightning import HierarchicalCheckpointIO, LocalCheckpointCallback
-    from resilient_ckpt.memory import staging
 
-    main = threading.current_thread()
-    release, copies_done = threading.Event(), threading.Event()
-    real_copy, real_fence = staging._finish, staging.StagingHandle.fence
-
-    def held_copy(*args):
-        release.wait(timeout=60)  # the timeout only guards against a hung test
-        segment = real_copy(*args)
-        copies_done.set()
-        return segment
-
-    def fence(self, stream=None):
-        if threading.current_thread() is main:
-            release.set()  # the training thread fences the save: let the copies run
-        return real_fence(self, stream)
-
-    staging._finish = held_copy
-    staging.StagingHandle.fence = fence
+    held = hold_copies_until_fenced()  # this rank process ends with the test
+    release, copies_done = held.release, held.done
 
     seen, saved_weights = [], {}
 
