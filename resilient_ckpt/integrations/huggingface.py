@@ -48,8 +48,6 @@ import shutil
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Union
 
-import torch.distributed as dist
-
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import TrainerState
@@ -64,6 +62,7 @@ from ..errors import CheckpointingException, ValidationError
 from ..manager.checkpoint_manager import CheckpointManager
 from ..manager.hooks import CheckpointHook
 from ..model.torch_state import TrainState, restore_rng_state
+from .world import check_world
 
 logger = logging.getLogger(__name__)
 
@@ -116,15 +115,12 @@ class LocalCheckpointCallback(TrainerCallback):
         initialize torch.distributed, and the manager's constructor is collective)."""
         if self._manager is None:
             self._manager = self._manager_factory()
-        m = self._manager
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != m.world_size:
-            raise ValidationError(
-                f"the CheckpointManager was constructed for {m.world_size} process(es) but the job has "
-                f"{dist.get_world_size()}: it was made before torch.distributed was initialized (the "
-                "Trainer's TrainingArguments initialize it). Construct it after TrainingArguments, or pass "
-                "LocalCheckpointCallback a function that makes it (called on first use)"
-            )
-        return m
+        check_world(
+            self._manager,
+            "the Trainer's TrainingArguments initialize it). Construct it after TrainingArguments, or pass "
+            "LocalCheckpointCallback a function that makes it (called on first use)",
+        )
+        return self._manager
 
     # ---- save ----------------------------------------------------------------------------------
 

@@ -87,6 +87,7 @@ from ..manager.hooks import CheckpointHook
 from ..model import codec
 from ..model.mapping import ShardedObject
 from ..model.torch_state import capture_rng_state, restore_rng_state, to_sharded_tensor
+from .world import check_world
 
 logger = logging.getLogger(__name__)
 
@@ -517,14 +518,12 @@ def _is_manager(obj: Any) -> bool:
 
 
 def _check_world(manager: CheckpointManager) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != manager.world_size:
-        raise ValidationError(
-            f"the CheckpointManager was constructed for {manager.world_size} process(es) but the job has "
-            f"{dist.get_world_size()}: it was made before torch.distributed was initialized (Lightning "
-            "initializes it inside fit()). Pass HierarchicalCheckpointIO a function that makes the manager, "
-            "e.g. HierarchicalCheckpointIO(None, lambda: CheckpointManager(session_id=...), fn): it is "
-            "called on first use, after the process group exists"
-        )
+    check_world(
+        manager,
+        "Lightning initializes it inside fit()). Pass HierarchicalCheckpointIO a function that makes the "
+        "manager, e.g. HierarchicalCheckpointIO(None, lambda: CheckpointManager(session_id=...), fn): it is "
+        "called on first use, after the process group exists",
+    )
 
 
 def _state_given_per_save():
