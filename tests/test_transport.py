@@ -371,3 +371,65 @@ def test_gloo_posts_receives_before_sends_so_both_directions_move_at_once(tmp_ro
     staged = ["recv", "recv", "send", "recv", "send", "recv", "send", "recv", "send", "recv", "send", "send"]
     for out in run_ranks(_both_ways_posting_order, 2, tmp_root):
         assert out == {False: (in_place, True), True: (staged, True)}
+
+
+def _sealed_swap(ctx):
+    """Both ranks send a payload sealed by a final header made after the last byte left."""
+    r, peer = ctx.rank, 1 - ctx.rank
+    transport = P2PTransport(new_checkpoint_group(timeout_s=30), chunk_bytes=CHUNK)
+    size = 3 * CHUNK + 5
+    sent, got, dest = [], {}, {}
+
+    def allocate(header, n):
+        got["header"] = header
+        dest["t"] = torch.empty(n, dtype=torch.uint8)
+        return dest["t"]
+
+    def on_chunk(lo, n):
+        sent.append(lo + n)
+
+    def seal():
+        got["sent_before_seal"] = max(sent, default=0)
+        return b"final %d" % r
+
+    out = Outgoing(peer, b"first %d" % r, _expected(r, peer, 0, size), on_chunk=on_chunk, seal=seal)
+    stats = transport.exchange([out], [Incoming(peer, allocate, seal=lambda f: got.setdefault("final", f))])
+    first = (
+        got["header"],
+        got["final"],
+        got["sent_before_seal"] == size,
+        torch.equal(dest["t"], _expected(peer, r, 0, size)),
+        stats.bytes_received,
+    )
+
+    # A seal that fails: the receiver is told (no final header), and the group stays in step.
+    def failing_seal():
+        raise RuntimeError("checksums failed")
+
+    err = None
+    try:
+        if r == 0:
+            transport.exchange([Outgoing(1, b"h", _expected(0, 1, 1, 77), seal=failing_seal)], [])
+        else:
+            transport.exchange([], [Incoming(0, lambda h, n: torch.empty(n, dtype=torch.uint8), seal=print)])
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    # Unsealed transfers to a receiver that takes seals still work.
+    again = {}
+    transport.exchange(
+        [Outgoing(peer, b"plain", _expected(r, peer, 2, 99))],
+        [Incoming(peer, lambda h, n: again.setdefault("t", torch.empty(n, dtype=torch.uint8)), seal=print)],
+    )
+    return first, err, torch.equal(again["t"], _expected(peer, r, 2, 99))
+
+
+def test_a_sealed_transfer_delivers_its_final_header_after_the_last_byte_and_a_failed_seal_fails_both(
+    tmp_root,
+):
+    out = run_ranks(_sealed_swap, 2, tmp_root)
+    size = 3 * CHUNK + 5
+    for r, (first, err, again_ok) in enumerate(out):
+        assert first == (b"first %d" % (1 - r), b"final %d" % (1 - r), True, True, size + 7)
+        assert again_ok
+    assert out[0][1] == "RuntimeError: checksums failed"
+    assert out[1][1].startswith("ReplicationError: rank 0 sent its payload but could not make its final")

@@ -28,7 +28,7 @@ import os
 import re
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -326,6 +326,8 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         # page-locks its segments).
         self._prefetcher = SegmentPrefetcher(self.store, pin=False)
         self._worker = SaveWorker()
+        #: the payload's checksums while replication sends it (manager.saving)
+        self._checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-checksum")
         #: group renewal after failures (manager.groups): this thread's call depth, the failed
         #: calls counted alike on every rank, and that count when the groups were last renewed
         self._calls = threading.local()
@@ -482,6 +484,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         if self._client is not None:
             self._client.close()
         self._worker.shutdown(wait=True)
+        self._checksummer.shutdown(wait=True)
         self._stager.shutdown()
         self._prefetcher.close()
         self._close_own_segments()

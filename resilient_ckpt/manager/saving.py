@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
@@ -48,6 +48,7 @@ from ..parallel.opaque_state_dict import OpaqueStateDict
 from ..parallel.snapshot import SnapshotParts, snapshot_parts
 from ..parallel.template import preprocess, sharded_objects, sharded_tensors
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from ..replication.replicator import SealingReplicator
 from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
 
@@ -540,15 +541,31 @@ class SavePath:
                 job.staging.wait()
                 job.segment = job.staging.segment()
             self._fault("after_staging")
-            with _timed(m, "checksum_s"):
-                header = _with_checksums(job.header, job.segment)
-            with _timed(m, "publish_s"):
-                self.store.publish(job.segment, header)
-            self._fault("after_publish")
-            with _timed(m, "replication_s"):
-                self._fault("before_replication")
-                replicating = True
-                out.received = self._replicate(header, job.segment, m)
+            if self._seals_replicas():
+                # The checksums are computed while the bytes are on the wire: the peers get the
+                # header without them first and the final one behind the payload; this node's
+                # own copy is published once they are known (issue 34: no checksum before the
+                # first byte leaves).
+                sums = self._checksummer.submit(_with_checksums, job.header, job.segment)
+                with _timed(m, "replication_s"):
+                    self._fault("before_replication")
+                    replicating = True
+                    out.received = self._replicate(job.header, job.segment, m, seal=sums.result)
+                with _timed(m, "checksum_s"):  # what was left of it after the transfer
+                    header = sums.result()
+                with _timed(m, "publish_s"):
+                    self.store.publish(job.segment, header)
+                self._fault("after_publish")
+            else:
+                with _timed(m, "checksum_s"):
+                    header = _with_checksums(job.header, job.segment)
+                with _timed(m, "publish_s"):
+                    self.store.publish(job.segment, header)
+                self._fault("after_publish")
+                with _timed(m, "replication_s"):
+                    self._fault("before_replication")
+                    replicating = True
+                    out.received = self._replicate(header, job.segment, m)
             self._fault("after_replication")
             self._check_published([header.id, *out.received])
             out.ok = True
@@ -621,13 +638,31 @@ class SavePath:
         self.last_save_metrics = job.metrics
         logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())
 
-    def _replicate(self, header: CheckpointHeader, segment: Segment, m: SaveMetrics) -> List[CheckpointId]:
-        """Hand the published checkpoint to the replicator (peers or the node daemon)."""
+    def _seals_replicas(self) -> bool:
+        """Whether this save's replicas go out before their checksums are known (peers over
+        the transport, sealed behind the payload); the daemon and parity shares take the
+        final header up front."""
+        if not isinstance(self._replicator, SealingReplicator) or not self._replicator.seals_replicas:
+            return False
+        return bool(self.placement.holders_of(self.rank) or self.placement.sources_for(self.rank))
+
+    def _replicate(
+        self,
+        header: CheckpointHeader,
+        segment: Segment,
+        m: SaveMetrics,
+        seal: Optional[Callable[[], CheckpointHeader]] = None,
+    ) -> List[CheckpointId]:
+        """Hand the checkpoint to the replicator (peers or the node daemon); ``seal``: see
+        :class:`~..replication.replicator.SealingReplicator`."""
         if self._replicator is None:
             if self.placement.holders_of(self.rank) or self.placement.sources_for(self.rank):
                 raise ReplicationError("replication needs an initialized process group")
             return []
-        result = self._replicator.replicate(header, segment)
+        if seal is not None:
+            result = self._replicator.replicate(header, segment, seal=seal)
+        else:
+            result = self._replicator.replicate(header, segment)
         m.bytes_replicated_out = result.bytes_out
         m.bytes_replicated_in = result.bytes_in
         encoded = getattr(self._replicator, "last_encode", None)

@@ -96,12 +96,16 @@ class _Landing:
 
     def incoming(self, src: int, check: Callable[[bytes], CheckpointHeader]) -> Incoming:
         """An Incoming from ``src``; ``check(raw header)`` returns the parsed header or raises
-        (an empty header means the sender could not send)."""
+        (an empty header means the sender could not send). A sender may seal the transfer
+        with its final header (the payload's checksums, computed while the bytes travelled):
+        that one is published instead, once it is checked to describe the same bytes."""
+        first: Dict[str, CheckpointHeader] = {}
 
         def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
             h = check(hdr)
             seg = self.store.allocate(h.iteration, h.owner, nbytes, populate=False)
             self.claimed.append((seg, hdr, h.id))
+            first["header"] = h
             self.pipes[src] = _PagePipeline(seg, self.chunk)
             return seg.buffer
 
@@ -109,7 +113,21 @@ class _Landing:
             if src in self.pipes:
                 self.pipes[src].landed(lo, n)
 
-        return Incoming(src, allocate, on_chunk=landed)
+        def seal(final: bytes) -> None:
+            h = first["header"]
+            f = check(final)
+            if f.id != h.id or [(t.offset, t.nbytes, t.dtype, t.shape) for t in f.tensors] != [
+                (t.offset, t.nbytes, t.dtype, t.shape) for t in h.tensors
+            ]:
+                raise ReplicationError(
+                    f"rank {src} sealed {h.id} with a final header of another layout ({f.id}); "
+                    "both ends must run the same resilient_ckpt"
+                )
+            for i, (seg, _, cid) in enumerate(self.claimed):
+                if cid == h.id:
+                    self.claimed[i] = (seg, final, cid)
+
+        return Incoming(src, allocate, on_chunk=landed, seal=seal)
 
     def close(self) -> None:
         for pipe in self.pipes.values():
@@ -132,6 +150,9 @@ class _Landing:
 
 
 class PeerReplicator:
+    #: replicate() takes ``seal`` (see :class:`~.replicator.SealingReplicator`)
+    seals_replicas = True
+
     def __init__(self, transport: P2PTransport, placement: Placement, store: CheckpointStore, rank: int):
         self.transport = transport
         self.placement = placement
@@ -158,16 +179,29 @@ class PeerReplicator:
             raise
         return stats, received
 
-    def replicate(self, header: CheckpointHeader, segment: Segment) -> ReplicationResult:
-        """Send this rank's checkpoint to its holders; receive the ones this rank holds."""
+    def replicate(
+        self,
+        header: CheckpointHeader,
+        segment: Segment,
+        seal: Optional[Callable[[], CheckpointHeader]] = None,
+    ) -> ReplicationResult:
+        """Send this rank's checkpoint to its holders; receive the ones this rank holds.
+
+        ``seal``: ``header`` lacks the payload's checksums, and ``seal()`` returns the final
+        header, with them; it is called after the last byte was sent and travels behind the
+        payload, so the checksums are computed while the bytes are on the wire
+        (:class:`~.replicator.SealingReplicator`)."""
         holders = self.placement.holders_of(self.rank)
         sources = self.placement.sources_for(self.rank)
         if not holders and not sources:
             return ReplicationResult()
         raw = header.pack()
+        final = (lambda: seal().pack()) if seal is not None else None
         # Pages already sent (received) leave this process's resident set as replication goes:
         # the bytes stay in the store, the trainer's RSS stays about one chunk above its state.
-        outgoing = [Outgoing(dst, raw, segment.buffer, on_chunk=segment.release_pages) for dst in holders]
+        outgoing = [
+            Outgoing(dst, raw, segment.buffer, on_chunk=segment.release_pages, seal=final) for dst in holders
+        ]
 
         def expect_from(src: int):
             def check(hdr: bytes) -> CheckpointHeader:

@@ -5,7 +5,7 @@ mode) and the node daemon (``service.replicator``, service mode)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Protocol, runtime_checkable
+from typing import Callable, List, Optional, Protocol, runtime_checkable
 
 from ..memory.layout import CheckpointHeader, CheckpointId
 from ..memory.segment import Segment
@@ -32,3 +32,23 @@ class Replicator(Protocol):
         """This rank's save failed before replicating: take part anyway, so partners learn
         at once instead of after a timeout."""
         ...
+
+
+@runtime_checkable
+class SealingReplicator(Protocol):
+    """A replicator that can send a checkpoint before its checksums are known: ``header``
+    without them, ``seal()`` the final header, called after the last byte left and sent
+    behind the payload (the peers', over the transport). The save computes the checksums
+    while the bytes travel instead of before the first one (issue 34)."""
+
+    #: marks the capability (a runtime check sees attributes, not signatures)
+    seals_replicas: bool
+
+    def replicate(
+        self,
+        header: CheckpointHeader,
+        segment: Segment,
+        seal: Optional[Callable[[], CheckpointHeader]] = None,
+    ) -> ReplicationResult: ...
+
+    def abstain(self) -> None: ...

@@ -4,10 +4,15 @@ A checkpoint travels as a small header (msgpack bytes, opaque here) and one cont
 payload — on CPU usually a store segment mapped onto /dev/shm. For each transfer the wire
 protocol is, in this order on the (sender, receiver) pair:
 
-1. sizes: one int64 tensor ``[header_len, payload_len, chunk_bytes]`` (the sender's chunking,
-   so ranks configured with different ``chunk_bytes`` still agree on message boundaries);
+1. sizes: one int64 tensor ``[header_len, payload_len, chunk_bytes, sealed]`` (the sender's
+   chunking, so ranks configured with different ``chunk_bytes`` still agree on message
+   boundaries; ``sealed``: a final header follows the payload);
 2. the header bytes (omitted when empty); the receiver then calls ``allocate(header, n)``;
-3. the payload in chunks of ``chunk_bytes``.
+3. the payload in chunks of ``chunk_bytes``;
+4. only for sealed transfers, after the last chunk: the final header's length, then its bytes
+   (the receiver's ``seal(final header)``). A save sends its header without the payload's
+   checksums first and computes them while the payload is on the wire (issue 34: the
+   checksum no longer delays the first byte).
 
 Every rank posts all of its sends and receives of one step together (``batch_isend_irecv``),
 so simultaneous A→B / B→A transfers and rings cannot deadlock on ordering. Payload chunks go
@@ -77,6 +82,10 @@ class Outgoing:
     #: called as ``on_chunk(offset, nbytes)`` once that part of the payload was sent (e.g. to
     #: drop a mapped segment's pages from this process's resident set)
     on_chunk: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
+    #: the final header, sent after the payload (step 4): called once the last chunk is on its
+    #: way, so work it waits for (the payload's checksums) overlaps the transfer. An exception
+    #: from it fails this exchange on both ends (an empty final header tells the receiver).
+    seal: Optional[Callable[[], bytes]] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,9 @@ class Incoming:
     allocate: Callable[[bytes, int], torch.Tensor] = field(repr=False)
     #: called as ``on_chunk(offset, nbytes)`` once that part of the payload landed
     on_chunk: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
+    #: called as ``seal(final header)`` when the sender sealed the transfer (step 4), after the
+    #: last byte landed; without it a sealed transfer is refused (ReplicationError)
+    seal: Optional[Callable[[bytes], None]] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -225,6 +237,9 @@ class _Transfer:
     discard: bool = False  # incoming whose allocate failed: drain into scratch, keep in sync
     index: int = 0  # position among this rank's sends / receives (bounce buffer slot)
     on_chunk: Optional[Callable[[int, int], None]] = None
+    #: sender: makes the final header (step 4); receiver: takes it
+    seal: Optional[Callable] = None
+    sealed: bool = False  # a final header follows the payload (receivers learn it in step 1)
 
     def chunks(self) -> int:
         return -(-self.nbytes // self.chunk)
@@ -310,6 +325,7 @@ class P2PTransport:
                 self._finish_round(transfers, posted.pop(0))
         for r in posted:
             self._finish_round(transfers, r)
+        sealing = self._exchange_seals([t for t in transfers if t.sealed])
         if self.device.type == "cuda" or any(
             t.payload is not None and t.payload.device.type == "cuda" for t in transfers
         ):
@@ -321,23 +337,28 @@ class P2PTransport:
                 f"allocate() failed for an incoming checkpoint: {deferred!r}; its bytes were "
                 f"received and dropped"
             ) from deferred
+        if sealing is not None:
+            raise sealing
         return _stats(transfers, time.perf_counter() - start)
 
     def _exchange_sizes(self, sends: List[_Transfer], recvs: List[_Transfer]) -> None:
         """Step 1: ``[header_len, payload_len, chunk]`` of every transfer."""
         size_out = [
-            torch.tensor([len(t.header), t.nbytes, t.chunk], dtype=torch.int64, device=self.device)
+            torch.tensor(
+                [len(t.header), t.nbytes, t.chunk, int(t.sealed)], dtype=torch.int64, device=self.device
+            )
             for t in sends
         ]
-        size_in = [torch.empty(3, dtype=torch.int64, device=self.device) for _ in recvs]
+        size_in = [torch.empty(4, dtype=torch.int64, device=self.device) for _ in recvs]
         self._run(
             [_Op(True, t.peer, s, "transfer sizes") for t, s in zip(sends, size_out, strict=True)]
             + [_Op(False, t.peer, s, "transfer sizes") for t, s in zip(recvs, size_in, strict=True)],
             "sizes",
         )
         for t, s in zip(recvs, size_in, strict=True):
-            t.header_len, t.nbytes, t.chunk = (int(v) for v in s.tolist())
-            if t.nbytes < 0 or t.header_len < 0 or t.chunk < 1:
+            t.header_len, t.nbytes, t.chunk, sealed = (int(v) for v in s.tolist())
+            t.sealed = sealed == 1
+            if t.nbytes < 0 or t.header_len < 0 or t.chunk < 1 or sealed not in (0, 1):
                 raise ReplicationError(
                     f"rank {t.peer} announced malformed sizes (header {t.header_len}, payload "
                     f"{t.nbytes}, chunk {t.chunk}); it runs an incompatible resilient_ckpt"
@@ -359,6 +380,63 @@ class P2PTransport:
         self._run(ops, "headers")
         for t, buf in received:
             t.header = buf.cpu().numpy().tobytes()
+
+    def _exchange_seals(self, sealed: List[_Transfer]) -> Optional[Exception]:
+        """Step 4: the final headers of sealed transfers, after their last chunk (length, then
+        bytes). A sender whose ``seal`` raises sends an empty one, and a receiver that cannot
+        take it drops it: both ends stay in step, and the error (the local one, else the
+        receiver's refusal of an empty seal) is returned to be raised after the exchange."""
+        if not sealed:
+            return None
+        error: Optional[Exception] = None
+        finals: Dict[int, bytes] = {}
+        for t in sealed:
+            if t.send:
+                try:
+                    finals[id(t)] = bytes(cast(Callable[[], bytes], t.seal)())
+                except Exception as e:  # the receiver learns it from the empty seal
+                    error = error or e
+                    finals[id(t)] = b""
+        lens = {
+            id(t): torch.tensor([len(finals[id(t)]) if t.send else 0], dtype=torch.int64, device=self.device)
+            for t in sealed
+        }
+        self._run(
+            [_Op(t.send, t.peer, lens[id(t)], "final header size") for t in sealed], "final header sizes"
+        )
+        ops: List[_Op] = []
+        received: List[Tuple[_Transfer, torch.Tensor]] = []
+        for t in sealed:
+            n = int(lens[id(t)].item())
+            if not n:
+                continue
+            if t.send:
+                buf = self._to_device(torch.frombuffer(bytearray(finals[id(t)]), dtype=torch.uint8))
+            else:
+                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+                received.append((t, buf))
+            ops.append(_Op(t.send, t.peer, buf, f"final header ({n} B)"))
+        self._run(ops, "final headers")
+        got = {id(t): buf.cpu().numpy().tobytes() for t, buf in received}
+        for t in sealed:
+            if t.send or t.discard:
+                continue
+            try:
+                final = got.get(id(t), b"")
+                if not final:
+                    raise ReplicationError(
+                        f"rank {t.peer} sent its payload but could not make its final header (see "
+                        "that rank's error); the transfer is dropped"
+                    )
+                if t.seal is None:
+                    raise ReplicationError(
+                        f"rank {t.peer} sealed its transfer with a final header and this receiver "
+                        "takes none; both ends must run the same resilient_ckpt"
+                    )
+                t.seal(final)
+            except Exception as e:
+                error = error or e
+        return error
 
     def _allocate_all(self, recvs: List[_Transfer]) -> Optional[Exception]:
         """Destinations of every incoming payload. A failing ``allocate`` marks its transfer
@@ -486,13 +564,15 @@ class P2PTransport:
             self.chunk_bytes,
             index=index,
             on_chunk=o.on_chunk,
+            seal=o.seal,
+            sealed=o.seal is not None,
         )
 
     def _check_incoming(self, index: int, inc: Incoming) -> _Transfer:
         src = self._check_peer(inc.src, "source")
         if not callable(inc.allocate):
             raise ReplicationError(f"Incoming from rank {src}: allocate must be callable")
-        return _Transfer(src, False, allocate=inc.allocate, index=index, on_chunk=inc.on_chunk)
+        return _Transfer(src, False, allocate=inc.allocate, index=index, on_chunk=inc.on_chunk, seal=inc.seal)
 
     def _check_allocated(self, t: _Transfer, out: object) -> torch.Tensor:
         if (
