@@ -428,7 +428,7 @@ def test_a_sealed_transfer_delivers_its_final_header_after_the_last_byte_and_a_f
 ):
     out = run_ranks(_sealed_swap, 2, tmp_root)
     size = 3 * CHUNK + 5
-    for r, (first, err, again_ok) in enumerate(out):
+    for r, (first, _, again_ok) in enumerate(out):
         assert first == (b"first %d" % (1 - r), b"final %d" % (1 - r), True, True, size + 7)
         assert again_ok
     assert out[0][1] == "RuntimeError: checksums failed"
