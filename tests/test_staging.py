@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -338,3 +339,52 @@ def test_a_save_whose_segments_cannot_be_page_locked_completes_and_restores_exac
     assert it == 2 and torch.equal(restored["w"].view(torch.int16), data.view(torch.int16))
     assert "register" in fake.calls
     assert len([r for r in caplog.records if "not page-locked" in r.getMessage()]) == 1
+
+
+def test_a_segment_staged_piece_by_piece_lets_a_prefix_be_used_before_the_last_copy(tmp_root, monkeypatch):
+    """Replication sends what is staged while the rest is copied (issue 34): the staging thread
+    says after each piece how far the segment holds its bytes, in offset order."""
+    from resilient_ckpt.memory import staging
+
+    monkeypatch.setattr(staging, "PIECE_BYTES", 4096)
+    gate, copies = threading.Event(), []
+    real = staging.foreach_copy_bits
+
+    def copy(dsts, srcs, **kw):
+        copies.append(len(srcs))
+        if len(copies) == 2:  # the second piece waits until the test has seen the first
+            assert gate.wait(30)
+        return real(dsts, srcs, **kw)
+
+    monkeypatch.setattr(staging, "foreach_copy_bits", copy)
+    store = CheckpointStore(tmp_root, "s", world_size=1)
+    tensors = [torch.randn(1024) for _ in range(4)] + [torch.arange(2048, dtype=torch.int16)]
+    layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
+    seg = store.reserve(total)
+    stager = Stager()
+    try:
+        handle = stager.stage(tensors, seg, layouts)
+        handle.wait_prefix(4096)  # the first float32 piece is there: returns while the rest waits
+        assert not handle.done() and torch.equal(seg.tensor(layouts[0]), tensors[0])
+        gate.set()
+        handle.wait_prefix(total)
+        assert handle.done()
+        assert all(torch.equal(seg.tensor(l), t) for l, t in zip(layouts, tensors))
+    finally:
+        gate.set()
+        stager.shutdown()
+        store.release(seg)
+
+
+def test_a_failed_copy_reaches_whoever_waits_for_a_prefix(tmp_root):
+    store = CheckpointStore(tmp_root, "s", world_size=1)
+    layouts, total = plan_layout([(torch.float32, (4,))])
+    seg = store.reserve(total)
+    stager = Stager()
+    try:
+        handle = stager.stage([torch.ones(5)], seg, layouts)  # shape does not fit its slot
+        with pytest.raises(RuntimeError):
+            handle.wait_prefix(16)
+    finally:
+        stager.shutdown()
+        store.release(seg)

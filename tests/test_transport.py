@@ -433,3 +433,63 @@ def test_a_sealed_transfer_delivers_its_final_header_after_the_last_byte_and_a_f
         assert again_ok
     assert out[0][1] == "RuntimeError: checksums failed"
     assert out[1][1].startswith("ReplicationError: rank 0 sent its payload but could not make its final")
+
+
+def _ready_gated(ctx):
+    """A sender whose payload is still being filled: each chunk waits for ``ready``; a
+    ``ready`` that fails still sends (peers in step) and the seal tells the receiver."""
+    transport = P2PTransport(new_checkpoint_group(timeout_s=30), chunk_bytes=CHUNK)
+    size = 4 * CHUNK + 1
+    if ctx.rank == 0:
+        payload = torch.zeros(size, dtype=torch.uint8)
+        want = _expected(0, 1, 0, size)
+        events = []
+
+        def ready(end):
+            events.append(("ready", end))
+            payload[:end] = want[:end]  # "staged" just in time
+
+        def sent(lo, n):
+            events.append(("sent", lo + n))
+
+        transport.exchange(
+            [Outgoing(1, b"h", payload, on_chunk=sent, ready=ready, seal=lambda: b"final")], []
+        )
+
+        def broken(end):
+            if end > CHUNK:
+                raise RuntimeError("copy failed")
+
+        err = None
+        try:
+            transport.exchange([Outgoing(1, b"h", payload, ready=broken, seal=lambda: b"final")], [])
+        except RuntimeError as e:
+            err = str(e)
+        return events, err
+    got, finals = {}, []
+
+    def allocate(header, n):
+        got["t"] = torch.empty(n, dtype=torch.uint8)
+        return got["t"]
+
+    transport.exchange([], [Incoming(0, allocate, seal=finals.append)])
+    ok = torch.equal(got["t"], _expected(0, 1, 0, size))
+    err = None
+    try:
+        transport.exchange([], [Incoming(0, allocate, seal=finals.append)])
+    except ReplicationError as e:
+        err = str(e)
+    return ok, finals, err
+
+
+def test_each_chunk_waits_for_ready_and_a_failed_ready_fails_the_seal_on_both_ends(tmp_root):
+    (events, send_err), (ok, finals, recv_err) = run_ranks(_ready_gated, 2, tmp_root)
+    size = 4 * CHUNK + 1
+    ends = [CHUNK, 2 * CHUNK, 3 * CHUNK, 4 * CHUNK, size]
+    # every chunk's ready comes before that chunk is reported sent
+    assert [e for e in events if e[0] == "ready"] == [("ready", e) for e in ends]
+    for end in ends:
+        assert events.index(("ready", end)) < events.index(("sent", end))
+    assert ok and finals == [b"final", b""]
+    assert send_err == "copy failed"
+    assert recv_err.startswith("rank 0 sent its payload but could not make its final header")

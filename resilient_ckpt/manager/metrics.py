@@ -14,6 +14,8 @@ class SaveMetrics:
     iteration: int
     stall_s: float = 0.0
     staging_s: float = 0.0
+    #: the save thread's wait for the checksums: all of their time, or (peer replicas, which
+    #: are sent while the checksums are computed) what was left of it after the transfer
     checksum_s: float = 0.0
     publish_s: float = 0.0
     replication_s: float = 0.0

@@ -537,26 +537,34 @@ class SavePath:
         m, out = job.metrics, _Outcome()
         replicating = False
         try:
-            with _timed(m, "staging_s"):
-                job.staging.wait()
-                job.segment = job.staging.segment()
-            self._fault("after_staging")
             if self._seals_replicas():
-                # The checksums are computed while the bytes are on the wire: the peers get the
-                # header without them first and the final one behind the payload; this node's
-                # own copy is published once they are known (issue 34: no checksum before the
-                # first byte leaves).
-                sums = self._checksummer.submit(_with_checksums, job.header, job.segment)
+                # The bytes leave as they are staged and the checksums are computed while they
+                # are on the wire: the peers get the header without them first and the final
+                # one behind the payload; this node's own copy is published once they are
+                # known (issue 34: neither the copies nor the checksums delay the first byte).
+                with _timed(m, "staging_s"):  # the segment only: its copies go on meanwhile
+                    job.segment = job.staging.segment()
+                    if job.segment is None:
+                        job.staging.wait()  # raises why it could not be reserved
+                sums = self._checksummer.submit(
+                    self._checksums_once_staged, job.staging, job.header, job.segment
+                )
                 with _timed(m, "replication_s"):
                     self._fault("before_replication")
                     replicating = True
-                    out.received = self._replicate(job.header, job.segment, m, seal=sums.result)
-                with _timed(m, "checksum_s"):  # what was left of it after the transfer
+                    out.received = self._replicate(
+                        job.header, job.segment, m, seal=sums.result, ready=job.staging.wait_prefix
+                    )
+                with _timed(m, "checksum_s"):  # what was left of them after the transfer
                     header = sums.result()
                 with _timed(m, "publish_s"):
                     self.store.publish(job.segment, header)
                 self._fault("after_publish")
             else:
+                with _timed(m, "staging_s"):
+                    job.staging.wait()
+                    job.segment = job.staging.segment()
+                self._fault("after_staging")
                 with _timed(m, "checksum_s"):
                     header = _with_checksums(job.header, job.segment)
                 with _timed(m, "publish_s"):
@@ -638,6 +646,15 @@ class SavePath:
         self.last_save_metrics = job.metrics
         logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())
 
+    def _checksums_once_staged(
+        self, staging: StagingHandle, header: CheckpointHeader, segment: Segment
+    ) -> CheckpointHeader:
+        """The final header (sealed replicas): after the last copy, the checksums. A failed
+        copy (or fault) fails the seal: the receivers drop the replica and name this rank."""
+        staging.wait()
+        self._fault("after_staging")
+        return _with_checksums(header, segment)
+
     def _seals_replicas(self) -> bool:
         """Whether this save's replicas go out before their checksums are known (peers over
         the transport, sealed behind the payload); the daemon and parity shares take the
@@ -652,15 +669,16 @@ class SavePath:
         segment: Segment,
         m: SaveMetrics,
         seal: Optional[Callable[[], CheckpointHeader]] = None,
+        ready: Optional[Callable[[int], None]] = None,
     ) -> List[CheckpointId]:
-        """Hand the checkpoint to the replicator (peers or the node daemon); ``seal``: see
-        :class:`~..replication.replicator.SealingReplicator`."""
+        """Hand the checkpoint to the replicator (peers or the node daemon); ``seal`` and
+        ``ready``: see :class:`~..replication.replicator.SealingReplicator`."""
         if self._replicator is None:
             if self.placement.holders_of(self.rank) or self.placement.sources_for(self.rank):
                 raise ReplicationError("replication needs an initialized process group")
             return []
         if seal is not None:
-            result = self._replicator.replicate(header, segment, seal=seal)
+            result = self._replicator.replicate(header, segment, seal=seal, ready=ready)
         else:
             result = self._replicator.replicate(header, segment)
         m.bytes_replicated_out = result.bytes_out

@@ -39,6 +39,38 @@ from .store import CheckpointStore
 logger = logging.getLogger(__name__)
 
 
+class StagedPrefix:
+    """How far the staging thread's copies into a segment have come, as a prefix of its
+    bytes (CPU sources copied in offset order, a piece of about :data:`PIECE_BYTES` at a time):
+    replication sends a chunk as soon as it is staged instead of after the last copy (issue 34)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._upto = 0
+        self._over = False
+
+    def advance(self, upto: int) -> None:
+        with self._cond:
+            self._upto = max(self._upto, upto)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The copies ended (done or failed): waiters go on to the handle's result."""
+        with self._cond:
+            self._over = True
+            self._cond.notify_all()
+
+    def wait(self, nbytes: int) -> bool:
+        """Block until the first ``nbytes`` are staged (True) or the copies ended (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._upto >= nbytes or self._over)
+            return self._upto >= nbytes
+
+
+#: how many bytes of a run the staging thread copies before it says how far it came
+PIECE_BYTES = 8 << 20
+
+
 class StagingHandle:
     """Completion of one snapshot's copies into its segment.
 
@@ -64,6 +96,17 @@ class StagingHandle:
         self.started = started
         self.snapshot = snapshot  # CUDA sources were copied within the GPU first
         self.finished: Optional[float] = None
+        #: set when every byte is copied by the staging thread, in offset order (CPU sources
+        #: only): :meth:`wait_prefix` then waits for a prefix instead of every copy
+        self._prefix: Optional[StagedPrefix] = None
+
+    def wait_prefix(self, nbytes: int) -> None:
+        """Block until the segment's first ``nbytes`` hold their bytes (every copy, where the
+        copies are not tracked by offset: CUDA sources, a device snapshot). Re-raises a failed
+        copy."""
+        if self._prefix is not None and self._prefix.wait(nbytes):
+            return
+        self.wait()
 
     def segment(self) -> Optional[Segment]:
         """The segment the copies land in (reserved by the staging thread when the caller
@@ -196,12 +239,17 @@ class Stager:
                 event.record(stream)
         future = None
         cpu_read = threading.Event()
+        # Every copy on the staging thread, in offset order: it tells how far it came.
+        prefix = StagedPrefix() if cpu and not cuda and not down and all(i[1] is None for i in cpu) else None
         if cpu or down or now is None:
-            future = self._pool.submit(_finish, segment, dests, cpu, down, self._stream, cpu_read)
+            future = self._pool.submit(_finish, segment, dests, cpu, down, self._stream, cpu_read, prefix)
             future.add_done_callback(lambda _f: cpu_read.set())  # however the job ended
+            if prefix is not None:
+                future.add_done_callback(lambda _f: prefix.close())
         handle = StagingHandle(future, event, started, snapshot=bool(down), segment=now)
         handle._cpu_sources = bool(cpu)
         handle._cpu_read = cpu_read
+        handle._prefix = prefix
         return handle
 
     def shutdown(self) -> None:
@@ -241,6 +289,22 @@ def _copy_run(dst, srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> 
     foreach_copy_bits(_views(dst, srcs), srcs, non_blocking=non_blocking)
 
 
+def _copy_run_in_pieces(dst, srcs: Sequence[torch.Tensor], start: int, prefix: StagedPrefix) -> None:
+    """:func:`_copy_run` of a CPU run starting at byte ``start`` of its segment, about
+    :data:`PIECE_BYTES` at a time (a tensor is never split), saying after each piece how far
+    the segment is staged."""
+    views = _views(dst, srcs)
+    i, pos = 0, start
+    while i < len(srcs):
+        j, n = i, 0
+        while j < len(srcs) and (j == i or n < PIECE_BYTES):
+            n += srcs[j].numel() * srcs[j].element_size()
+            j += 1
+        foreach_copy_bits(views[i:j], srcs[i:j])
+        i, pos = j, pos + n
+        prefix.advance(pos)
+
+
 def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.Tensor]]]:
     """Copy ``srcs`` (one dtype) into new device memory, one flat buffer per device, on the
     current (side) stream; returns (indexes into ``srcs``, their snapshot views) per device."""
@@ -270,6 +334,10 @@ class _Destinations:
         self._tensors = tensors
         self._split: Dict[int, List[torch.Tensor]] = {}
 
+    def offset(self, item: _Item) -> int:
+        """Where the item's run starts in the segment."""
+        return self._runs[item[0]].offset
+
     def of(self, segment: Segment, item: _Item):
         k, j, _srcs = item
         prepared = segment.views_for(self._runs)
@@ -281,18 +349,26 @@ class _Destinations:
         return [self._split[k][j]]
 
 
-def _finish(segment, dests: _Destinations, cpu: Sequence[_Item], down, stream, cpu_read=None) -> Segment:
+def _finish(
+    segment, dests: _Destinations, cpu: Sequence[_Item], down, stream, cpu_read=None, prefix=None
+) -> Segment:
     """The staging thread's part: reserve the segment if the caller did not, copy the CPU
     tensors (then set ``cpu_read``: the CPU sources may change), bring the device snapshot
-    down. Returns the segment."""
+    down. Returns the segment. ``prefix``: every item is a whole CPU run, copied in offset
+    order and reported piece by piece (the runs of a layout are back to back from byte 0, but
+    a gap between them, alignment, holds nothing to wait for)."""
     try:
         if not isinstance(segment, Segment):
             segment = segment()
         # Grad mode is per thread: a Parameter source must not record history. The collector
         # is paused while the views' Python objects (one per tensor) are made.
         with torch.no_grad(), paused_gc():
-            for item in cpu:
-                _copy_run(dests.of(segment, item), item[2])
+            for item in sorted(cpu, key=lambda it: dests.offset(it)) if prefix is not None else cpu:
+                if prefix is None:
+                    _copy_run(dests.of(segment, item), item[2])
+                else:
+                    prefix.advance(dests.offset(item))  # the alignment gap before this run
+                    _copy_run_in_pieces(dests.of(segment, item), item[2], dests.offset(item), prefix)
     finally:
         if cpu_read is not None:
             cpu_read.set()  # on failure too: the waiter then finds the future's exception

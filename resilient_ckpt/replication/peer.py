@@ -115,6 +115,11 @@ class _Landing:
 
         def seal(final: bytes) -> None:
             h = first["header"]
+            if not final:
+                raise ReplicationError(
+                    f"rank {src} could not save iteration {h.iteration} (see that rank's error); "
+                    "the replica it sent was dropped"
+                )
             f = check(final)
             if f.id != h.id or [(t.offset, t.nbytes, t.dtype, t.shape) for t in f.tensors] != [
                 (t.offset, t.nbytes, t.dtype, t.shape) for t in h.tensors
@@ -184,13 +189,15 @@ class PeerReplicator:
         header: CheckpointHeader,
         segment: Segment,
         seal: Optional[Callable[[], CheckpointHeader]] = None,
+        ready: Optional[Callable[[int], None]] = None,
     ) -> ReplicationResult:
         """Send this rank's checkpoint to its holders; receive the ones this rank holds.
 
         ``seal``: ``header`` lacks the payload's checksums, and ``seal()`` returns the final
         header, with them; it is called after the last byte was sent and travels behind the
-        payload, so the checksums are computed while the bytes are on the wire
-        (:class:`~.replicator.SealingReplicator`)."""
+        payload, so the checksums are computed while the bytes are on the wire. ``ready(end)``
+        blocks until the segment's bytes up to ``end`` are staged: chunks leave as they are
+        copied (:class:`~.replicator.SealingReplicator`)."""
         holders = self.placement.holders_of(self.rank)
         sources = self.placement.sources_for(self.rank)
         if not holders and not sources:
@@ -200,7 +207,8 @@ class PeerReplicator:
         # Pages already sent (received) leave this process's resident set as replication goes:
         # the bytes stay in the store, the trainer's RSS stays about one chunk above its state.
         outgoing = [
-            Outgoing(dst, raw, segment.buffer, on_chunk=segment.release_pages, seal=final) for dst in holders
+            Outgoing(dst, raw, segment.buffer, on_chunk=segment.release_pages, seal=final, ready=ready)
+            for dst in holders
         ]
 
         def expect_from(src: int):

@@ -36,10 +36,12 @@ class Replicator(Protocol):
 
 @runtime_checkable
 class SealingReplicator(Protocol):
-    """A replicator that can send a checkpoint before its checksums are known: ``header``
-    without them, ``seal()`` the final header, called after the last byte left and sent
-    behind the payload (the peers', over the transport). The save computes the checksums
-    while the bytes travel instead of before the first one (issue 34)."""
+    """A replicator that can send a checkpoint while it is still being staged and before its
+    checksums are known: ``header`` without them, ``ready(end)`` blocking until the segment's
+    bytes up to ``end`` are copied (each chunk leaves as soon as it is), ``seal()`` the final
+    header, called after the last byte left and sent behind the payload (the peers', over the
+    transport). Time to durable is then the link's time plus the first chunk's copy, not plus
+    every copy and checksum (issue 34)."""
 
     #: marks the capability (a runtime check sees attributes, not signatures)
     seals_replicas: bool
@@ -49,6 +51,7 @@ class SealingReplicator(Protocol):
         header: CheckpointHeader,
         segment: Segment,
         seal: Optional[Callable[[], CheckpointHeader]] = None,
+        ready: Optional[Callable[[int], None]] = None,
     ) -> ReplicationResult: ...
 
     def abstain(self) -> None: ...

@@ -86,6 +86,11 @@ class Outgoing:
     #: way, so work it waits for (the payload's checksums) overlaps the transfer. An exception
     #: from it fails this exchange on both ends (an empty final header tells the receiver).
     seal: Optional[Callable[[], bytes]] = field(default=None, repr=False)
+    #: called as ``ready(end)`` before the chunk ending at byte ``end`` is sent: blocks until
+    #: the payload holds its bytes up to there (a save sends what is staged while the rest is
+    #: still being copied). An exception from it is raised after the exchange; the chunks go
+    #: out regardless, so peers stay in step — seal the transfer, so the receiver drops it.
+    ready: Optional[Callable[[int], None]] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ class Incoming:
     #: called as ``on_chunk(offset, nbytes)`` once that part of the payload landed
     on_chunk: Optional[Callable[[int, int], None]] = field(default=None, repr=False)
     #: called as ``seal(final header)`` when the sender sealed the transfer (step 4), after the
-    #: last byte landed; without it a sealed transfer is refused (ReplicationError)
+    #: last byte landed — with ``b""`` when the sender could not make it (the transfer then
+    #: fails: raise what that means here); without it a sealed transfer is refused
     seal: Optional[Callable[[bytes], None]] = field(default=None, repr=False)
 
 
@@ -240,6 +246,8 @@ class _Transfer:
     #: sender: makes the final header (step 4); receiver: takes it
     seal: Optional[Callable] = None
     sealed: bool = False  # a final header follows the payload (receivers learn it in step 1)
+    ready: Optional[Callable[[int], None]] = None  # sender: see Outgoing.ready
+    not_ready: Optional[BaseException] = None  # what ``ready`` raised
 
     def chunks(self) -> int:
         return -(-self.nbytes // self.chunk)
@@ -337,6 +345,9 @@ class P2PTransport:
                 f"allocate() failed for an incoming checkpoint: {deferred!r}; its bytes were "
                 f"received and dropped"
             ) from deferred
+        not_ready = next((t.not_ready for t in sends if t.not_ready is not None), None)
+        if not_ready is not None:
+            raise not_ready
         if sealing is not None:
             raise sealing
         return _stats(transfers, time.perf_counter() - start)
@@ -391,7 +402,9 @@ class P2PTransport:
         error: Optional[Exception] = None
         finals: Dict[int, bytes] = {}
         for t in sealed:
-            if t.send:
+            if t.send and t.not_ready is not None:
+                finals[id(t)] = b""  # its payload was not (all) there: the receiver drops it
+            elif t.send:
                 try:
                     finals[id(t)] = bytes(cast(Callable[[], bytes], t.seal)())
                 except Exception as e:  # the receiver learns it from the empty seal
@@ -423,17 +436,17 @@ class P2PTransport:
                 continue
             try:
                 final = got.get(id(t), b"")
-                if not final:
-                    raise ReplicationError(
-                        f"rank {t.peer} sent its payload but could not make its final header (see "
-                        "that rank's error); the transfer is dropped"
-                    )
                 if t.seal is None:
                     raise ReplicationError(
                         f"rank {t.peer} sealed its transfer with a final header and this receiver "
                         "takes none; both ends must run the same resilient_ckpt"
                     )
-                t.seal(final)
+                t.seal(final)  # b"": the receiver may say what that means to it
+                if not final:
+                    raise ReplicationError(
+                        f"rank {t.peer} sent its payload but could not make its final header (see "
+                        "that rank's error); the transfer is dropped"
+                    )
             except Exception as e:
                 error = error or e
         return error
@@ -491,6 +504,11 @@ class P2PTransport:
         unstage: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for t in transfers:
             if i < t.chunks():
+                if t.ready is not None and t.not_ready is None:
+                    try:
+                        t.ready(min((i + 1) * t.chunk, t.nbytes))
+                    except Exception as e:  # sent anyway (peers in step); raised after the exchange
+                        t.not_ready = e
                 ops.append(self._chunk_op(t, i, unstage))
         step = f"payload round {i + 1}/{rounds}"
         return _Round(i, step, ops, self._post(ops, step), unstage)
@@ -566,6 +584,7 @@ class P2PTransport:
             on_chunk=o.on_chunk,
             seal=o.seal,
             sealed=o.seal is not None,
+            ready=o.ready,
         )
 
     def _check_incoming(self, index: int, inc: Incoming) -> _Transfer:
