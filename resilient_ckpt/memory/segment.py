@@ -8,6 +8,7 @@ populating its pages in this process's page tables.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import threading
@@ -20,6 +21,24 @@ from . import pinning
 from .layout import TensorLayout
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _libc_madvise():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: libc's madvise through ctypes, which releases the GIL around the call: ``mmap.madvise``
+#: holds it, and MADV_POPULATE_WRITE of a segment takes tens of milliseconds (more on a loaded
+#: machine) — every other thread of the trainer stood still meanwhile (issue 34: a replica's
+#: receiver could not post its receives; the retired segment populated as the next spare held
+#: the training thread and the save's waiter for 20-30 ms after each save)
+_MADVISE = _libc_madvise()
 
 
 class Segment:
@@ -72,12 +91,18 @@ class Segment:
         """Map ``[offset, offset + nbytes)`` into this process's page tables now
         (MADV_POPULATE_WRITE, Linux >= 5.14; else a no-op): writing into populated pages runs
         ~2x faster than taking a fault per 4 KiB page (measured: gloo receives at 1.9 vs 1.0
-        GiB/s)."""
-        if self._mmap is None or nbytes <= 0 or offset >= self.nbytes:
+        GiB/s). Other threads run meanwhile (the GIL is released)."""
+        buf = self.buffer  # keeps the mapping alive while the GIL is released (see close)
+        if self._mmap is None or nbytes <= 0 or offset >= self.nbytes or buf.numel() < self.nbytes:
             return
         page = mmap.PAGESIZE
         start = offset // page * page
         end = min(self.nbytes, -(-(offset + nbytes) // page) * page)
+        if _MADVISE is not None:
+            # An error (an older kernel without MADV_POPULATE_WRITE) leaves the pages to fault
+            # in on first write.
+            _MADVISE(buf.data_ptr() + start, end - start, _MADV_POPULATE_WRITE)
+            return
         try:
             self._mmap.madvise(_MADV_POPULATE_WRITE, start, end - start)
         except (OSError, ValueError):

@@ -9,10 +9,8 @@ in), so its partners learn it at once instead of after the transport timeout.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
-import mmap
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -30,53 +28,21 @@ from .transport import Incoming, Outgoing, P2PTransport
 logger = logging.getLogger(__name__)
 
 
-def _libc_madvise() -> Optional[Callable[..., int]]:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
-
-
-def _populate_unlocked(segment: Segment, offset: int, nbytes: int) -> None:
-    """``segment.populate_pages`` without holding the GIL: ``mmap.madvise`` holds it for the
-    whole MADV_POPULATE_WRITE (tens of ms per 64 MiB here, >100 ms on a loaded VM), and the
-    save thread, which must post its receives before the peer may send a byte, waited for it
-    (issue 34: 18-130 ms between the headers and the first payload byte). ctypes releases the
-    GIL around the call. The buffer reference keeps the mapping alive meanwhile; errors
-    (an older kernel without MADV_POPULATE_WRITE) leave the pages to fault in on write."""
-    buf = segment.buffer
-    if _MADVISE is None:
-        segment.populate_pages(offset, nbytes)
-        return
-    if nbytes <= 0 or offset >= segment.nbytes or buf.numel() < segment.nbytes:
-        return
-    page = mmap.PAGESIZE
-    start = offset // page * page
-    end = min(segment.nbytes, -(-(offset + nbytes) // page) * page)
-    _MADVISE(buf.data_ptr() + start, end - start, _MADV_POPULATE_WRITE)
-
-
 class _PagePipeline:
     """For a segment being received in chunks: a helper thread keeps the next chunk's pages
-    populated while the current one lands, and landed chunks leave this process's page tables
-    (the bytes stay in the store)."""
+    populated while the current one lands (``Segment.populate_pages`` releases the GIL: the
+    save thread must post its receives meanwhile, before the peer may send a byte), and
+    landed chunks leave this process's page tables (the bytes stay in the store)."""
 
     def __init__(self, segment: Segment, chunk: int):
         self.segment = segment
         self.chunk = max(1, chunk)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-prefault")
-        self._pool.submit(_populate_unlocked, segment, 0, 2 * self.chunk)
+        self._pool.submit(segment.populate_pages, 0, 2 * self.chunk)
 
     def landed(self, offset: int, nbytes: int) -> None:
         self.segment.release_pages(offset, nbytes)
-        self._pool.submit(_populate_unlocked, self.segment, offset + 2 * self.chunk, self.chunk)
+        self._pool.submit(self.segment.populate_pages, offset + 2 * self.chunk, self.chunk)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
