@@ -367,8 +367,7 @@ def test_a_segment_staged_piece_by_piece_lets_a_prefix_be_used_before_the_last_c
         handle.wait_prefix(4096)  # the first float32 piece is there: returns while the rest waits
         assert not handle.done() and torch.equal(seg.tensor(layouts[0]), tensors[0])
         gate.set()
-        handle.wait_prefix(total)
-        assert handle.done()
+        handle.wait_prefix(total)  # every byte is there (the thread may still be returning)
         assert all(torch.equal(seg.tensor(l), t) for l, t in zip(layouts, tensors))
     finally:
         gate.set()
