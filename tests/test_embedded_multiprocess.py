@@ -130,6 +130,9 @@ STEPS = [10, 20, 30, 40, 50]
 
 def _save_steps(ctx, steps):
     m = _manager(ctx)
+    # Replicas leave as they are staged (on where a host has cores to spare; forced here so
+    # the restores below read what that path stored).
+    m.send_while_staging = True
     seen = []
     for s in steps:
         h = m.save_local(_sd(ctx.rank, ctx.world_size, s), s)
@@ -395,7 +398,7 @@ def test_restarted_job_saves_the_abandoned_iteration_again(killed_mid_save):
 # ---- a rank whose save fails locally does not leave the others waiting ---------------------------
 
 
-def _local_failures(ctx):
+def _local_failures(ctx, send_while_staging: bool):
     fail_at = {"point": None}
 
     def hook(point):
@@ -404,6 +407,7 @@ def _local_failures(ctx):
 
     # timeout_s far beyond the run's deadline: a peer waiting for it would fail the test.
     m = _manager(ctx, timeout_s=300, fault_hook=hook)
+    m.send_while_staging = send_while_staging
     out = {}
 
     def save(step, bad_common=False, **kw):
@@ -440,8 +444,17 @@ def _local_failures(ctx):
     return out
 
 
-def test_a_rank_failing_in_save_fails_that_save_everywhere_without_blocking(tmp_root):
-    out = run_ranks(_local_failures, WS, tmp_root, ranks_per_node=RPN, timeout=90, collective_timeout=30)
+@pytest.mark.parametrize("send_while_staging", [False, True], ids=["sent-once-staged", "sent-while-staging"])
+def test_a_rank_failing_in_save_fails_that_save_everywhere_without_blocking(tmp_root, send_while_staging):
+    out = run_ranks(
+        _local_failures,
+        WS,
+        tmp_root,
+        ranks_per_node=RPN,
+        args=(send_while_staging,),
+        timeout=90,
+        collective_timeout=30,
+    )
     for r, o in enumerate(out):
         assert o[10] == o[30] == o[40] == o[80] == o[100] == "complete", (r, o)
         assert o["load"] == {

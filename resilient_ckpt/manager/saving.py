@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -54,6 +53,10 @@ from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
 
 logger = logging.getLogger(__name__)
+
+#: how many times slower than the copies into the segment the last save's replication must
+#: have been for the next one to send while staging (see SavePath._sends_while_staging)
+WIRE_SLOWER_TO_SEND_WHILE_STAGING = 10
 
 MAX_ITERATION = (1 << 63) - 1
 
@@ -162,6 +165,13 @@ class _Staged:
 
 class SavePath:
     """``save_local`` and the save thread's job (mixed into ``CheckpointManager``)."""
+
+    #: replicas leave chunk by chunk while the rest is being copied (True), after every copy
+    #: (False), or where the wire is much slower than the copies (None, see
+    #: ``_sends_while_staging``)
+    send_while_staging: Optional[bool] = None
+    _replicated_bps: float = 0.0  # the last save's replication rate
+    _staged_bps: float = 0.0  # the last save's copy rate into its segment
 
     def save_local(self, state_dict: Any, iteration: int, is_async: bool = True) -> SaveHandle:
         """Snapshot ``state_dict`` (a sharded state dict, an MCoreTensorAwareStateDict, or a
@@ -528,6 +538,7 @@ class SavePath:
                 f"(this rank: {_own_part(outcome)}); the previous complete "
                 f"iteration {self._complete[-1] if self._complete else 'none'} stays loadable"
             ) from outcome.error
+        self._note_rates(job)
         self._complete_save(job)
         return m
 
@@ -664,14 +675,27 @@ class SavePath:
         return _with_checksums(header, segment)
 
     def _sends_while_staging(self) -> bool:
-        """Whether a replica's chunks leave while the rest is still being copied: only with a
-        core for the copies beside the sends' (this host's cores per rank of the node, at least
-        two). Measured on 2 cores shared by 2 ranks (resilient-ckpt bench, loopback, 256 MiB):
-        the sends slowed the copies the training loop waits for, the save's stall 0.06-0.09 ->
-        0.12-0.18 s; with a core each (two simulated nodes, 1 Gbit/s) time to durable fell
-        1.23-1.32x -> 1.16-1.19x the link limit."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return cores // max(1, self.placement.ranks_per_node) >= 2
+        """Whether a replica's chunks leave while the rest of it is still being copied
+        (``send_while_staging``; None: decided from the previous save). Sending takes CPU in
+        proportion to the link's rate, and during the copies — what the training loop waits
+        for — that CPU is theirs: it pays where the wire is much slower than the copies
+        (:data:`WIRE_SLOWER_TO_SEND_WHILE_STAGING` times or more; what it saves is the copies'
+        time), and on a fast link it mostly slows the copies down. Measured on this project's
+        2-core machine: at 1 Gbit/s (64 MiB, the wire ~25x slower than the copies) time to
+        durable fell from 1.19-1.32x to 1.16-1.19x the link limit; on loopback (256 MiB, ~6x)
+        the save's stall doubled, 0.06-0.09 -> 0.15-0.17 s, for 0.05 s of durable."""
+        if self.send_while_staging is not None:
+            return bool(self.send_while_staging)
+        wire, copies = self._replicated_bps, self._staged_bps
+        return bool(wire and copies and copies >= WIRE_SLOWER_TO_SEND_WHILE_STAGING * wire)
+
+    def _note_rates(self, job: "_SaveJob") -> None:
+        """The last save's copy and send rates (bytes per second), for _sends_while_staging."""
+        m, staging = job.metrics, job.staging
+        if m.replication_s > 0 and m.bytes_replicated_out:
+            self._replicated_bps = m.bytes_replicated_out / m.replication_s
+        if staging.finished is not None and staging.finished > staging.started and m.bytes_staged:
+            self._staged_bps = m.bytes_staged / (staging.finished - staging.started)
 
     def _seals_replicas(self) -> bool:
         """Whether this save's replicas go out before their checksums are known (peers over
