@@ -43,9 +43,11 @@ from .restore_plan import PERSISTENT, RESHARDED, RestorePlan, plan_restore
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Request:
-    """A restore's inputs, prepared once (see ``LoadPath._restore_request``)."""
+    """What the caller asked a restore for, the template prepared once (see
+    ``LoadPath._restore_request``). Only the stages that read or fill the template take it;
+    what the restore learns on the way is its :class:`_Progress`."""
 
     raw: Any = None  # the caller's template as given
     strict: Any = StrictHandling.ASSUME_OK_UNEXPECTED
@@ -53,8 +55,15 @@ class _Request:
     elastic_template: Optional[Callable[[], Any]] = None
     template: Any = None  # prepared (PreparedTemplate)
     targets: Dict[Any, torch.Tensor] = field(default_factory=dict)
-    failure: Optional[BaseException] = None  # a local failure, raised together later
     t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Progress:
+    """What a restore learned on its way, kept apart from the template: the planning stage
+    (holdings, the persistent tier, parity) takes this, never the template."""
+
+    failure: Optional[BaseException] = None  # a local failure, raised together later
     #: the fill's inputs, prepared while the retrieval's gather was pending (``_FillInputs``)
     fill: Any = None
     #: (iteration, hollow state dict) of this rank's newest own checkpoint in its node's store,
@@ -168,42 +177,52 @@ class LoadPath:
         return out
 
     def _load_local(self, template, strict, reshard_objects, elastic_template) -> Optional[Tuple[Any, int]]:
-        request = self._restore_request(template, strict, reshard_objects, elastic_template)
-        plan = self._plan_restore(request)  # 1. plan: gathered facts, then a pure decision
+        request, progress = self._restore_request(template, strict, reshard_objects, elastic_template)
+        # 1. plan: gathered facts, then a pure decision
+        plan = self._plan_restore(progress, self._structure_vote(request, progress))
         if plan.kind == RESHARDED:  # another world size: its own plan/agree/move/fill
-            return self._restore_resharded(plan, request)
+            return self._restore_resharded(plan, request, progress)
         if plan.kind == PERSISTENT:  # the tier's DCP checkpoint, newer than memory's
             out = self._restore_persistent(plan, request)
             if out is not None:
                 return out
-        retrieved, iteration = self._agree_and_move(plan, request, borrow=True)  # 2. agree, 3. move
+        retrieved, iteration = self._agree_and_move(plan, request, progress, borrow=True)  # 2. agree, 3. move
         if retrieved is None:
             return None
-        return self._fill_restored(retrieved, iteration, request)  # 4. fill
+        return self._fill_restored(retrieved, iteration, request, progress)  # 4. fill
 
     # ---- the stages -----------------------------------------------------------------------
 
-    def _restore_request(self, template, strict, reshard_objects=None, elastic_template=None) -> "_Request":
-        """What the caller asked for, the template prepared once (every stage takes it). A
-        failure here travels with the first collective, so every rank stops together."""
-        req = _Request(raw=template, strict=strict, reshard_objects=reshard_objects)
-        req.elastic_template = elastic_template
+    def _restore_request(
+        self, template, strict, reshard_objects=None, elastic_template=None
+    ) -> Tuple["_Request", "_Progress"]:
+        """What the caller asked for, the template prepared once (the stages that read or fill
+        it take it), and the restore's progress. A failure here travels with the first
+        collective, so every rank stops together."""
+        progress = _Progress()
+        prepared, targets = None, {}
         try:
             if template is not None:
-                req.template = prepare_template(template)
-            req.targets = template_targets(req.template) if req.template is not None else {}
+                prepared = prepare_template(template)
+                targets = template_targets(prepared)
         except Exception as e:
-            req.failure = e
-        return req
+            progress.failure = e
+        req = _Request(template, strict, reshard_objects, elastic_template, prepared, targets)
+        return req, progress
 
-    def _plan_restore(self, req: "_Request", memory_only: bool = False) -> RestorePlan:
+    def _structure_vote(self, req: "_Request", progress: "_Progress"):
+        """The holdings gather's note (see ``_structure_note``); None without a template."""
+        if req.template is None:
+            return None
+        return functools.partial(self._structure_note, req.template, progress)
+
+    def _plan_restore(self, progress: "_Progress", note=None, memory_only: bool = False) -> RestorePlan:
         """Stage 1: drain saves, gather every node store's holdings (and the persistent tier's
         agreed newest iteration), then decide from those facts alone (``plan_restore``).
-        ``memory_only``: this world size's checkpoints in memory, nothing else (the
-        reference's ``load``)."""
+        ``note``: the structure vote the gather carries. ``memory_only``: this world size's
+        checkpoints in memory, nothing else (the reference's ``load``)."""
         self.wait_for_saves()
-        note = functools.partial(self._structure_note, req) if req.template is not None else None
-        holdings = self._holdings(req.failure, note)
+        holdings = self._holdings(progress.failure, note)
         complete = holdings.complete_iterations(self.world_size, self.parity_groups)
         elastic = None if memory_only else self._elastic_choice(holdings, complete[0] if complete else -1)
         durable = None
@@ -215,7 +234,9 @@ class LoadPath:
                 durable = latest.iteration if latest is not None else None
         return plan_restore(holdings, complete, elastic, durable)
 
-    def _structure_note(self, req: "_Request", held: Mapping[Tuple[int, int], int]) -> Optional[List[Any]]:
+    def _structure_note(
+        self, template, progress: "_Progress", held: Mapping[Tuple[int, int], int]
+    ) -> Optional[List[Any]]:
         """``[iteration, same]``: whether the template has the structure of this rank's newest
         own checkpoint in its node's store (``held``: the holdings scan's; a restart's usual
         case). Carried by the holdings gather: when every rank says so for the iteration
@@ -227,34 +248,36 @@ class LoadPath:
         try:
             header = self.store.read_header(CheckpointId(newest, self.rank, self.session_id))
             own = self._hollow(header.meta)
-            same = same_structure(req.template, own)
+            same = same_structure(template, own)
         except Exception as e:  # the full check decides (and reports what is wrong)
             logger.debug("no structure vote before the holdings gather: %s", e)
             return None
-        req.own = (newest, own)
+        progress.own = (newest, own)
         return [newest, bool(same)]
 
-    def _restore_resharded(self, plan: RestorePlan, req: "_Request") -> Tuple[Any, int]:
-        template = req.template
-        if template is None and req.elastic_template is not None and req.failure is None:
+    def _restore_resharded(
+        self, plan: RestorePlan, req: "_Request", progress: "_Progress"
+    ) -> Tuple[Any, int]:
+        template, failure = req.template, progress.failure
+        if template is None and req.elastic_template is not None and failure is None:
             try:
                 template = prepare_template(req.elastic_template())
             except Exception as e:  # travels with the next collective: every rank stops
-                req.failure = e
-        return self._load_elastic(
-            template, plan.elastic, plan.holdings, req.failure, req.t0, req.reshard_objects
-        )
+                failure = e
+        return self._load_elastic(template, plan.elastic, plan.holdings, failure, req.t0, req.reshard_objects)
 
     def _restore_persistent(self, plan: RestorePlan, req: "_Request") -> Optional[Tuple[Any, int]]:
         return self._load_persistent(
             self._persistent_tier(), req.raw, req.t0, plan.newest_in_memory, plan.durable
         )
 
-    def _fill_restored(self, retrieved: Retrieved, iteration: int, req: "_Request") -> Tuple[Any, int]:
+    def _fill_restored(
+        self, retrieved: Retrieved, iteration: int, req: "_Request", progress: "_Progress"
+    ) -> Tuple[Any, int]:
         """Stage 4: the checkpoint decoded, the shards this rank did not save found (replicas
         in the node's store, else the load exchange), the template filled; then healing, and
         the next save's segment made ahead."""
-        f, req.fill = req.fill, None
+        f, progress.fill = progress.fill, None
         if f is None or f.retrieved is not retrieved:
             f = self._fill_inputs(retrieved, iteration, req)
         elif retrieved.notes is None:
@@ -302,13 +325,15 @@ class LoadPath:
                 local = e
         return _FillInputs(retrieved, tasd, extra, holds_all, local, failed)
 
-    def _fill_vote(self, iteration: int, req: "_Request") -> Callable[[Retrieved], Any]:
+    def _fill_vote(
+        self, iteration: int, req: "_Request", progress: "_Progress"
+    ) -> Callable[[Retrieved], Any]:
         """``retrieve``'s note: the fill's inputs prepared right after the move (the faster
         ranks while they wait for the slower), its vote carried by the retrieval's gather."""
 
         def note(retrieved: Retrieved) -> Any:
-            req.fill = self._fill_inputs(retrieved, iteration, req)
-            return collectives.vote(req.fill.error, req.fill.holds_all)
+            progress.fill = self._fill_inputs(retrieved, iteration, req)
+            return collectives.vote(progress.fill.error, progress.fill.holds_all)
 
         return note
 
@@ -503,11 +528,12 @@ class LoadPath:
     def _retrieve_latest(self) -> Tuple[Optional[Retrieved], int]:
         """nvidia-resiliency-ext's ``load``: this rank's newest complete checkpoint, in private
         memory (no template: nothing to agree on but the copies)."""
-        req = self._restore_request(None, StrictHandling.ASSUME_OK_UNEXPECTED)
-        return self._agree_and_move(self._plan_restore(req, memory_only=True), req, borrow=False)
+        req, progress = self._restore_request(None, StrictHandling.ASSUME_OK_UNEXPECTED)
+        plan = self._plan_restore(progress, memory_only=True)
+        return self._agree_and_move(plan, req, progress, borrow=False)
 
     def _agree_and_move(
-        self, plan: RestorePlan, req: "_Request", borrow: bool
+        self, plan: RestorePlan, req: "_Request", progress: "_Progress", borrow: bool
     ) -> Tuple[Optional[Retrieved], int]:
         """Stages 2 and 3 of a memory restore, newest complete iteration first: make every
         owner's copy reachable (service pull, parity rebuild), **agree** on the template (one
@@ -527,11 +553,11 @@ class LoadPath:
             self.store.sweep_orphans()
         except OSError as e:  # housekeeping: must not keep this rank from the collectives below
             logger.warning("could not recycle leftovers in %s: %s", self.store.dir, e)
-        retrieved, iteration, holdings = self._first_restorable(complete, holdings, borrow, req)
+        retrieved, iteration, holdings = self._first_restorable(complete, holdings, borrow, req, progress)
         self._adopt(retrieved, iteration, holdings, complete)
         return retrieved, iteration
 
-    def _first_restorable(self, complete, holdings, borrow, req: "_Request"):
+    def _first_restorable(self, complete, holdings, borrow, req: "_Request", progress: "_Progress"):
         """Retrieve the newest complete iteration whose copies verify; older ones if not
         (decided from gathered facts, so every rank falls back together)."""
         targets, template, strict = req.targets, req.template, req.strict
@@ -553,7 +579,7 @@ class LoadPath:
             if template is not None:
                 # Before any byte lands in the template: a restore that cannot succeed leaves
                 # the caller's tensors untouched on every rank.
-                decoded = self._check_template(holdings, iteration, template, strict, req.own)
+                decoded = self._check_template(holdings, iteration, template, strict, progress.own)
             try:
                 retrieved = retrieve(
                     self.store,
@@ -567,7 +593,7 @@ class LoadPath:
                     targets=targets,
                     decoded=decoded,
                     allow_pickle=self.options.allow_pickle,
-                    note=self._fill_vote(iteration, req) if borrow else None,
+                    note=self._fill_vote(iteration, req, progress) if borrow else None,
                 )
                 return retrieved, iteration, holdings
             except (CorruptCheckpointError, NoReplicaError) as e:
