@@ -74,11 +74,18 @@ def test_real_byte_counts_are_the_encoders(result):
         assert rows["distribution: all-gather"]["received"] == checks[other]["distribution_payload"]
         # the hollow state dict is what the header carries as meta
         assert rows["hollow encoding"]["encoded"] == checks[r]["hollow"]
-        # the header goes to the holder (the other node) and the peer's comes back
-        assert rows["header: p2p exchange"]["sent"] == checks[r]["header_file"]
-        assert rows["header: p2p exchange"]["received"] == checks[other]["header_file"]
-        # packed at publish and at replication, and the received replica's re-packed on landing
-        assert rows["header pack"]["encoded"] == 2 * checks[r]["header_file"] + checks[other]["header_file"]
+        # the header goes to the holder (the other node) and the peer's comes back: announced
+        # (id and size), then the final header behind the payload (issue 34)
+        sent = checks[r]["header_file"] + checks[r]["announcement"]
+        assert rows["header: p2p exchange"]["sent"] == sent
+        assert (
+            rows["header: p2p exchange"]["received"]
+            == checks[other]["header_file"] + checks[other]["announcement"]
+        )
+        # packed at publish and at replication, and the received replica's re-packed on landing;
+        # and the announcement of a sealed replica
+        packed = 2 * checks[r]["header_file"] + checks[other]["header_file"] + checks[r]["announcement"]
+        assert rows["header pack"]["encoded"] == packed
         # the agreement is one 8-byte all-reduce
         assert rows["agreement: all-reduce"]["sent"] == 8
         restore = ours["restore"]["rows_per_rank"][r]

@@ -30,7 +30,7 @@ from ..model.validation import StrictHandling
 from ..parallel import collectives
 from ..parallel.load_checks import RestoreCheck, check_restorable, same_structure
 from ..parallel.opaque_state_dict import is_opaque, load_opaque
-from ..parallel.template import prepare_template, template_targets
+from ..parallel.template import prepare_template, shard_targets
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import group_of
 from ..replication.parity_peer import rebuild_lost
@@ -204,7 +204,7 @@ class LoadPath:
         try:
             if template is not None:
                 prepared = prepare_template(template)
-                targets = template_targets(prepared)
+                targets = shard_targets(prepared.shards)
         except Exception as e:
             progress.failure = e
         req = _Request(template, strict, reshard_objects, elastic_template, prepared, targets)

@@ -59,6 +59,18 @@ def sharded_objects(tree: Any) -> List[ShardedObject]:
     return [v for v in nested_values(tree) if isinstance(v, ShardedObject)]
 
 
+def sharded_leaves(tree: Any) -> Tuple[List[ShardedTensor], List[ShardedObject]]:
+    """:func:`sharded_tensors` and :func:`sharded_objects` of ``tree`` in one walk."""
+    shards: List[ShardedTensor] = []
+    objects: List[ShardedObject] = []
+    for v in nested_values(tree):
+        if isinstance(v, ShardedTensor):
+            shards.append(v)
+        elif isinstance(v, ShardedObject):
+            objects.append(v)
+    return shards, objects
+
+
 @dataclass
 class PreparedTemplate:
     """A load template taken apart once (``preprocess`` and its leaves): a restore checks it,
@@ -89,9 +101,7 @@ def prepare_template(template: Any) -> PreparedTemplate:
             sharded, common, empty, type(empty)(), shards, objects, (parts.skeleton, parts.rows)
         )
     sharded, common, nonpersistent, factories = preprocess(template or {})
-    return PreparedTemplate(
-        sharded, common, nonpersistent, factories, sharded_tensors(sharded), sharded_objects(sharded)
-    )
+    return PreparedTemplate(sharded, common, nonpersistent, factories, *sharded_leaves(sharded))
 
 
 def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:

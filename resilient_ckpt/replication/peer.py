@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,8 +64,9 @@ class _Landing:
     def incoming(self, src: int, check: Callable[[bytes], CheckpointHeader]) -> Incoming:
         """An Incoming from ``src``; ``check(raw header)`` returns the parsed header or raises
         (an empty header means the sender could not send). A sender may seal the transfer
-        with its final header (the payload's checksums, computed while the bytes travelled):
-        that one is published instead, once it is checked to describe the same bytes."""
+        with its final header (tensor table and checksums, computed while the bytes
+        travelled; the first header then only announces id and size): that one is published
+        instead, once it is checked to describe the same checkpoint."""
         first: Dict[str, CheckpointHeader] = {}
 
         def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
@@ -87,12 +89,11 @@ class _Landing:
                     "the replica it sent was dropped"
                 )
             f = check(final)
-            if f.id != h.id or [(t.offset, t.nbytes, t.dtype, t.shape) for t in f.tensors] != [
-                (t.offset, t.nbytes, t.dtype, t.shape) for t in h.tensors
-            ]:
+            if f.id != h.id or f.data_nbytes != h.data_nbytes:
                 raise ReplicationError(
-                    f"rank {src} sealed {h.id} with a final header of another layout ({f.id}); "
-                    "both ends must run the same resilient_ckpt"
+                    f"rank {src} announced {h.id} of {h.data_nbytes} bytes and sealed it with the "
+                    f"header of {f.id} of {f.data_nbytes} bytes; both ends must run the same "
+                    "resilient_ckpt"
                 )
             for i, (seg, _, cid) in enumerate(self.claimed):
                 if cid == h.id:
@@ -118,6 +119,12 @@ class _Landing:
         for seg, _, cid in self.claimed:
             seg.close()
             self.store.discard(cid)
+
+
+def announcement(header: CheckpointHeader) -> bytes:
+    """The first header of a sealed replica: the checkpoint's id and size, what its receiver
+    allocates by (the tensor table and metadata follow, once, in the final header)."""
+    return replace(header, tensors=(), meta=b"").pack()
 
 
 class PeerReplicator:
@@ -168,8 +175,15 @@ class PeerReplicator:
         sources = self.placement.sources_for(self.rank)
         if not holders and not sources:
             return ReplicationResult()
-        raw = header.pack()
-        final = (lambda: seal().pack()) if seal is not None else None
+        raw, final = b"", None
+        if seal is None:
+            raw = header.pack()
+        else:
+            # Sealed: the first header only announces the checkpoint (id and size: what the
+            # receiver allocates by); its tensor table and metadata travel once, in the final
+            # header (at 50k tensors they are megabytes).
+            raw = announcement(header)
+            final = lambda: seal().pack()  # noqa: E731
         # Pages already sent (received) leave this process's resident set as replication goes:
         # the bytes stay in the store, the trainer's RSS stays about one chunk above its state.
         outgoing = [

@@ -247,6 +247,7 @@ class _Transfer:
     seal: Optional[Callable] = None
     sealed: bool = False  # a final header follows the payload (receivers learn it in step 1)
     ready: Optional[Callable[[int], None]] = None  # sender: see Outgoing.ready
+    final: bytes = b""  # the final header sent or received (step 4)
     not_ready: Optional[BaseException] = None  # what ``ready`` raised
 
     def chunks(self) -> int:
@@ -431,6 +432,8 @@ class P2PTransport:
             ops.append(_Op(t.send, t.peer, buf, f"final header ({n} B)"))
         self._run(ops, "final headers")
         got = {id(t): buf.cpu().numpy().tobytes() for t, buf in received}
+        for t in sealed:
+            t.final = finals.get(id(t), b"") if t.send else got.get(id(t), b"")
         for t in sealed:
             if t.send or t.discard:
                 continue

@@ -25,7 +25,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("structure walk", _PKG + "parallel.template:sharded_objects", "phase"),
     ("structure walk", _PKG + "parallel.load_checks:sharded_objects", "phase"),
     ("structure walk", _PKG + "parallel.template:template_targets", "phase"),
-    ("structure walk", _PKG + "manager.loading:template_targets", "phase"),
+    ("structure walk", _PKG + "manager.loading:shard_targets", "phase"),
     # the cached save's one walk (tree, shard rows) and its comparison with the cache
     ("structure walk", _PKG + "manager.saving:snapshot_parts", "phase"),
     ("fingerprint", _PKG + "manager.saving:SavePath._probe", "phase"),
@@ -65,6 +65,8 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("header read", _PKG + "memory.store:CheckpointStore.read_header", "phase"),
     ("header read", _PKG + "memory.store:CheckpointStore.open", "phase"),
     ("header: p2p exchange", _PKG + "replication.transport:P2PTransport._exchange_headers", "p2p"),
+    # a sealed replica's final header, behind its payload (the first one only announces it)
+    ("header: p2p exchange", _PKG + "replication.transport:P2PTransport._exchange_seals", "p2p-seal"),
     # agreement and the fail-together votes
     ("agreement", _PKG + "manager.saving:SavePath._agree", "phase"),
     ("vote", _PKG + "parallel.collectives:agree_or_fail", "phase"),
@@ -273,7 +275,7 @@ class PhaseProfiler:
             frames = prof._frames()
             if kind in ("phase", "encode"):
                 label = phase
-            elif kind == "p2p":
+            elif kind in ("p2p", "p2p-seal"):
                 label = phase
             else:
                 label = f"{prof._enclosing(frames)}: {phase}"
@@ -298,6 +300,9 @@ class PhaseProfiler:
                 payload = args[0]
                 sent = len(payload)
                 recv = sum(len(b) for b in out) - sent
+            elif kind == "p2p-seal":  # P2PTransport._exchange_seals(self, sealed): after the call
+                sent = sum(len(t.final) for t in args[1] if t.send)
+                recv = sum(len(t.final) for t in args[1] if not t.send)
             elif kind == "reduce":
                 group = args[2] if len(args) > 2 else kwargs.get("group")
                 from ...parallel import collectives

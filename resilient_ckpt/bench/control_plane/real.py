@@ -84,6 +84,7 @@ def _encoder_checks(mgr, wl: CPWorkload, sd: Dict[str, Any], iteration: int) -> 
     from ...model.validation import object_record, shard_record
     from ...parallel.distribution import structure_fingerprint
     from ...parallel.template import preprocess, sharded_objects, sharded_tensors
+    from ...replication.peer import announcement
 
     sharded, *_ = preprocess(sd)
     shards = sharded_tensors(sharded)
@@ -99,6 +100,8 @@ def _encoder_checks(mgr, wl: CPWorkload, sd: Dict[str, Any], iteration: int) -> 
     return {
         "distribution_payload": len(msgpack.packb(payload, use_bin_type=True)),
         "header_file": mgr.store.header_path(cid).stat().st_size,
+        # a sealed replica's first header (the final one is the header file's bytes)
+        "announcement": len(announcement(header)) if mgr._seals_replicas() else 0,
         "hollow": len(header.meta),
         "tensors_saved": len(header.tensors),
     }
