@@ -398,7 +398,7 @@ def test_restarted_job_saves_the_abandoned_iteration_again(killed_mid_save):
 # ---- a rank whose save fails locally does not leave the others waiting ---------------------------
 
 
-def _local_failures(ctx, send_while_staging: bool):
+def _local_failures(ctx, send_while_staging=None):
     fail_at = {"point": None}
 
     def hook(point):
@@ -444,16 +444,10 @@ def _local_failures(ctx, send_while_staging: bool):
     return out
 
 
-@pytest.mark.parametrize("send_while_staging", [False, True], ids=["sent-once-staged", "sent-while-staging"])
-def test_a_rank_failing_in_save_fails_that_save_everywhere_without_blocking(tmp_root, send_while_staging):
+def test_a_rank_failing_in_save_fails_that_save_everywhere_without_blocking(tmp_root):
+    # send_while_staging left to the manager (a failed copy under it: tests/test_transport.py)
     out = run_ranks(
-        _local_failures,
-        WS,
-        tmp_root,
-        ranks_per_node=RPN,
-        args=(send_while_staging,),
-        timeout=90,
-        collective_timeout=30,
+        _local_failures, WS, tmp_root, ranks_per_node=RPN, args=(None,), timeout=90, collective_timeout=30
     )
     for r, o in enumerate(out):
         assert o[10] == o[30] == o[40] == o[80] == o[100] == "complete", (r, o)
