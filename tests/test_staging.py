@@ -205,6 +205,8 @@ def test_a_failed_copy_is_reported_by_the_staging_handle(tmp_root):
     try:
         handle = stager.stage([torch.ones(5)], seg, layouts)  # shape does not fit its slot
         with pytest.raises(RuntimeError):
+            handle.wait_prefix(16)  # replication waiting for the first chunk learns it too
+        with pytest.raises(RuntimeError):
             handle.wait()
     finally:
         stager.shutdown()
@@ -371,19 +373,5 @@ def test_a_segment_staged_piece_by_piece_lets_a_prefix_be_used_before_the_last_c
         assert all(torch.equal(seg.tensor(l), t) for l, t in zip(layouts, tensors))
     finally:
         gate.set()
-        stager.shutdown()
-        store.release(seg)
-
-
-def test_a_failed_copy_reaches_whoever_waits_for_a_prefix(tmp_root):
-    store = CheckpointStore(tmp_root, "s", world_size=1)
-    layouts, total = plan_layout([(torch.float32, (4,))])
-    seg = store.reserve(total)
-    stager = Stager()
-    try:
-        handle = stager.stage([torch.ones(5)], seg, layouts)  # shape does not fit its slot
-        with pytest.raises(RuntimeError):
-            handle.wait_prefix(16)
-    finally:
         stager.shutdown()
         store.release(seg)
