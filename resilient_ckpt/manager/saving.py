@@ -46,7 +46,7 @@ from ..parallel.distribution import ShardDistribution, structure_fingerprint
 from ..parallel.hollow import HollowEncoding, encode_hollow
 from ..parallel.opaque_state_dict import OpaqueStateDict
 from ..parallel.snapshot import SnapshotParts, snapshot_parts
-from ..parallel.template import preprocess, sharded_objects, sharded_tensors
+from ..parallel.template import preprocess, sharded_leaves
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.replicator import SealingReplicator
 from .metrics import SaveHandle, SaveMetrics
@@ -281,7 +281,7 @@ class SavePath:
             return _Probe(parts=parts, covered="meta" not in devices, tensors=tensors, devices=devices)
         pre = preprocess(state_dict)
         sharded = pre[0]
-        key = structure_fingerprint(sharded_tensors(sharded), sharded_objects(sharded))
+        key = structure_fingerprint(*sharded_leaves(sharded))
         return _Probe(preprocessed=pre, covered=cache is not None and cache.key == key)
 
     def _snapshot(self, state_dict: Any, probe: "_Probe", cached: bool) -> MCoreTensorAwareStateDict:
@@ -310,7 +310,7 @@ class SavePath:
             parts=probe.parts,
         )
         tree = tasd.sharded_state_dict
-        key = structure_fingerprint(sharded_tensors(tree), sharded_objects(tree))
+        key = structure_fingerprint(*sharded_leaves(tree))
         self._structure = _StructureCache(key, distribution)
         return tasd
 

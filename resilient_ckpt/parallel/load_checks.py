@@ -32,7 +32,7 @@ from ..model.validation import (
 from . import collectives
 from .exchange import dtype_name, plan_exchange
 from .hollow import hollow_parts
-from .template import PreparedTemplate, prepare_template, sharded_objects, sharded_tensors
+from .template import PreparedTemplate, prepare_template, sharded_leaves, sharded_objects
 
 
 class SavedCheckpoint(Protocol):
@@ -173,8 +173,12 @@ def check_restorable(
             for h in saved
             for st in h.tensor_metadata
         ]
-        objects = [o for h in saved for o in sharded_objects(h.sharded_state_dict)]
-        keys = {st.key for h in saved for st in sharded_tensors(h.sharded_state_dict)}
+        objects: List[ShardedObject] = []
+        keys = set()
+        for h in saved:
+            sts, objs = sharded_leaves(h.sharded_state_dict)
+            objects += objs
+            keys |= {st.key for st in sts}
         keys |= {o.key for o in objects}
         local.update(load_facts(template.shards, template.objects, held, objects, keys, True, need_all=True))
     except Exception as e:  # reported to every rank below

@@ -3,8 +3,8 @@
 :func:`preprocess` splits a sharded state dict into its sharded, common and nonpersistent
 parts and its factories (copying the structure, never the tensors); :func:`prepare_template`
 does it once per restore (:class:`PreparedTemplate`: checked, targeted and filled from the
-same walk); :func:`template_targets` / :func:`shard_targets` name the template tensors
-restored bytes can be written into in place.
+same walk); :func:`shard_targets` names the template tensors restored bytes can be written
+into in place.
 """
 
 from __future__ import annotations
@@ -102,14 +102,6 @@ def prepare_template(template: Any) -> PreparedTemplate:
         )
     sharded, common, nonpersistent, factories = preprocess(template or {})
     return PreparedTemplate(sharded, common, nonpersistent, factories, *sharded_leaves(sharded))
-
-
-def template_targets(sharded_state_dict: Any) -> Dict[Any, torch.Tensor]:
-    """Shard id -> the tensor a template's ShardedTensor carries (where restored bytes can be
-    written in place, see ``to_state_dict(load_into_template=True)``)."""
-    if not sharded_state_dict:
-        return {}
-    return shard_targets(prepare_template(sharded_state_dict).shards)
 
 
 def shard_targets(template_shards: Sequence[ShardedTensor]) -> Dict[Any, torch.Tensor]:

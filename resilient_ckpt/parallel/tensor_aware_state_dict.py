@@ -52,7 +52,7 @@ from .load_checks import gather_facts, raise_first_error
 from .load_exchange import HeldCheckpoint, LoadOptions, check_algo, load_into
 from .sharded_planning import plan_sharded, use_sharded_planning
 from .snapshot import SnapshotParts, from_parts
-from .template import preprocess, sharded_objects, sharded_tensors
+from .template import preprocess, sharded_leaves, sharded_objects, sharded_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 sharded, common, shards, objects = from_parts(parts)
             else:
                 sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
-                shards, objects = sharded_tensors(sharded), sharded_objects(sharded)
+                shards, objects = sharded_leaves(sharded)
             _check_not_meta(shards)
         except Exception as e:  # reported to every rank by the planning collectives
             local_exc = e
