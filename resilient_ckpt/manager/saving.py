@@ -550,10 +550,10 @@ class SavePath:
         replicating = False
         try:
             if self._seals_replicas():
-                # The checksums are computed while the bytes are on the wire (and, with cores to
-                # spare, the bytes leave as they are staged): the peers get the header without
-                # them first and the final one behind the payload; this node's own copy is
-                # published once they are known (issue 34).
+                # The checksums are computed while the bytes are on the wire (and, where the
+                # wire is much slower than the copies, the bytes leave as they are staged): the
+                # peers get an announcement first and the final header behind the payload; this
+                # node's own copy is published once the checksums are known (issue 34).
                 early = self._sends_while_staging()
                 with _timed(m, "staging_s"):  # early: the segment only, its copies go on
                     if not early:

@@ -168,7 +168,8 @@ class PeerReplicator:
 
         ``seal``: ``header`` lacks the payload's checksums, and ``seal()`` returns the final
         header, with them; it is called after the last byte was sent and travels behind the
-        payload, so the checksums are computed while the bytes are on the wire. ``ready(end)``
+        payload (only an :func:`announcement` of ``header`` goes first), so the checksums are
+        computed while the bytes are on the wire. ``ready(end)``
         blocks until the segment's bytes up to ``end`` are staged: chunks leave as they are
         copied (:class:`~.replicator.SealingReplicator`)."""
         holders = self.placement.holders_of(self.rank)

@@ -37,11 +37,11 @@ class Replicator(Protocol):
 @runtime_checkable
 class SealingReplicator(Protocol):
     """A replicator that can send a checkpoint while it is still being staged and before its
-    checksums are known: ``header`` without them, ``ready(end)`` blocking until the segment's
-    bytes up to ``end`` are copied (each chunk leaves as soon as it is), ``seal()`` the final
-    header, called after the last byte left and sent behind the payload (the peers', over the
-    transport). Time to durable is then the link's time plus the first chunk's copy, not plus
-    every copy and checksum (issue 34)."""
+    checksums are known: ``header`` without them (announced by id and size), ``ready(end)``
+    blocking until the segment's bytes up to ``end`` are copied (each chunk leaves as soon as
+    it is), ``seal()`` the final header, called after the last byte left and sent behind the
+    payload (the peers', over the transport). Time to durable is then the link's time plus the
+    first chunk's copy, not plus every copy and checksum (issue 34)."""
 
     #: marks the capability (a runtime check sees attributes, not signatures)
     seals_replicas: bool

@@ -10,9 +10,9 @@ protocol is, in this order on the (sender, receiver) pair:
 2. the header bytes (omitted when empty); the receiver then calls ``allocate(header, n)``;
 3. the payload in chunks of ``chunk_bytes``;
 4. only for sealed transfers, after the last chunk: the final header's length, then its bytes
-   (the receiver's ``seal(final header)``). A save sends its header without the payload's
-   checksums first and computes them while the payload is on the wire (issue 34: the
-   checksum no longer delays the first byte).
+   (the receiver's ``seal(final header)``). A save's first header then only announces the
+   checkpoint (id and size) and the payload's checksums are computed while it is on the wire
+   (issue 34: the checksum no longer delays the first byte).
 
 Every rank posts all of its sends and receives of one step together (``batch_isend_irecv``),
 so simultaneous A→B / B→A transfers and rings cannot deadlock on ordering. Payload chunks go
@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -378,74 +378,43 @@ class P2PTransport:
 
     def _exchange_headers(self, transfers: List[_Transfer]) -> None:
         """Step 2: the (opaque) headers; received ones land in ``t.header``."""
-        ops: List[_Op] = []
-        received: List[Tuple[_Transfer, torch.Tensor]] = []
-        for t in transfers:
-            if not t.header_len:
-                continue
-            if t.send:
-                buf = self._to_device(torch.frombuffer(bytearray(t.header), dtype=torch.uint8))
-            else:
-                buf = torch.empty(t.header_len, dtype=torch.uint8, device=self.device)
-                received.append((t, buf))
-            ops.append(_Op(t.send, t.peer, buf, f"header ({t.header_len} B)"))
-        self._run(ops, "headers")
-        for t, buf in received:
-            t.header = buf.cpu().numpy().tobytes()
+        moves = [(t, t.header if t.send else t.header_len) for t in transfers]
+        for t, header in self._move_bytes(moves, "header", "headers"):
+            t.header = header
 
     def _exchange_seals(self, sealed: List[_Transfer]) -> Optional[Exception]:
         """Step 4: the final headers of sealed transfers, after their last chunk (length, then
-        bytes). A sender whose ``seal`` raises sends an empty one, and a receiver that cannot
-        take it drops it: both ends stay in step, and the error (the local one, else the
-        receiver's refusal of an empty seal) is returned to be raised after the exchange."""
+        bytes); they land in ``t.final``. A sender whose ``seal`` raises (or whose ``ready``
+        did) sends an empty one, and a receiver that cannot take it drops it: both ends stay in
+        step, and the error (the local one, else the receiver's refusal of an empty seal) is
+        returned to be raised after the exchange."""
         if not sealed:
             return None
         error: Optional[Exception] = None
-        finals: Dict[int, bytes] = {}
         for t in sealed:
-            if t.send and t.not_ready is not None:
-                finals[id(t)] = b""  # its payload was not (all) there: the receiver drops it
-            elif t.send:
+            if t.send and t.not_ready is None:
                 try:
-                    finals[id(t)] = bytes(cast(Callable[[], bytes], t.seal)())
+                    t.final = bytes(cast(Callable[[], bytes], t.seal)())
                 except Exception as e:  # the receiver learns it from the empty seal
                     error = error or e
-                    finals[id(t)] = b""
-        lens = {
-            id(t): torch.tensor([len(finals[id(t)]) if t.send else 0], dtype=torch.int64, device=self.device)
-            for t in sealed
-        }
+        lens = {id(t): torch.tensor([len(t.final)], dtype=torch.int64, device=self.device) for t in sealed}
         self._run(
             [_Op(t.send, t.peer, lens[id(t)], "final header size") for t in sealed], "final header sizes"
         )
-        ops: List[_Op] = []
-        received: List[Tuple[_Transfer, torch.Tensor]] = []
-        for t in sealed:
-            n = int(lens[id(t)].item())
-            if not n:
-                continue
-            if t.send:
-                buf = self._to_device(torch.frombuffer(bytearray(finals[id(t)]), dtype=torch.uint8))
-            else:
-                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-                received.append((t, buf))
-            ops.append(_Op(t.send, t.peer, buf, f"final header ({n} B)"))
-        self._run(ops, "final headers")
-        got = {id(t): buf.cpu().numpy().tobytes() for t, buf in received}
-        for t in sealed:
-            t.final = finals.get(id(t), b"") if t.send else got.get(id(t), b"")
+        moves = [(t, t.final if t.send else int(lens[id(t)].item())) for t in sealed]
+        for t, final in self._move_bytes(moves, "final header", "final headers"):
+            t.final = final
         for t in sealed:
             if t.send or t.discard:
                 continue
             try:
-                final = got.get(id(t), b"")
                 if t.seal is None:
                     raise ReplicationError(
                         f"rank {t.peer} sealed its transfer with a final header and this receiver "
                         "takes none; both ends must run the same resilient_ckpt"
                     )
-                t.seal(final)  # b"": the receiver may say what that means to it
-                if not final:
+                t.seal(t.final)  # b"": the receiver may say what that means to it
+                if not t.final:
                     raise ReplicationError(
                         f"rank {t.peer} sent its payload but could not make its final header (see "
                         "that rank's error); the transfer is dropped"
@@ -453,6 +422,26 @@ class P2PTransport:
             except Exception as e:
                 error = error or e
         return error
+
+    def _move_bytes(
+        self, moves: Sequence[Tuple[_Transfer, Union[bytes, int]]], what: str, step: str
+    ) -> List[Tuple[_Transfer, bytes]]:
+        """One step of small byte strings (headers): per transfer, the bytes a send sends or
+        the length a receive expects (empty moves nothing); returns what each receive got."""
+        ops: List[_Op] = []
+        received: List[Tuple[_Transfer, torch.Tensor]] = []
+        for t, data in moves:
+            n = len(data) if t.send else data
+            if not n:
+                continue
+            if t.send:
+                buf = self._to_device(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            else:
+                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+                received.append((t, buf))
+            ops.append(_Op(t.send, t.peer, buf, f"{what} ({n} B)"))
+        self._run(ops, step)
+        return [(t, buf.cpu().numpy().tobytes()) for t, buf in received]
 
     def _allocate_all(self, recvs: List[_Transfer]) -> Optional[Exception]:
         """Destinations of every incoming payload. A failing ``allocate`` marks its transfer
