@@ -363,12 +363,14 @@ def _finish(
         # Grad mode is per thread: a Parameter source must not record history. The collector
         # is paused while the views' Python objects (one per tensor) are made.
         with torch.no_grad(), paused_gc():
-            for item in sorted(cpu, key=lambda it: dests.offset(it)) if prefix is not None else cpu:
-                if prefix is None:
+            if prefix is None:
+                for item in cpu:
                     _copy_run(dests.of(segment, item), item[2])
-                else:
-                    prefix.advance(dests.offset(item))  # the alignment gap before this run
-                    _copy_run_in_pieces(dests.of(segment, item), item[2], dests.offset(item), prefix)
+            else:
+                for item in sorted(cpu, key=dests.offset):
+                    start = dests.offset(item)
+                    prefix.advance(start)  # the alignment gap before this run
+                    _copy_run_in_pieces(dests.of(segment, item), item[2], start, prefix)
     finally:
         if cpu_read is not None:
             cpu_read.set()  # on failure too: the waiter then finds the future's exception
