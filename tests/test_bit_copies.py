@@ -25,7 +25,7 @@ import torch
 
 from harness import run_ranks
 from resilient_ckpt import ShardedTensor
-from resilient_ckpt.bits import bits, copy_bits, foreach_copy_bits
+from resilient_ckpt.bits import bits, copy_bits, foreach_copy_bits, foreach_copy_run_bits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool]
 if hasattr(torch, "float8_e4m3fn"):
@@ -75,6 +75,34 @@ def test_copy_helpers_move_every_bit_pattern_of_every_dtype(dtype, device):
     strided = torch.empty(2 * src.numel(), dtype=dtype, device=device)[::2]
     copy_bits(strided, src)  # a strided destination: still bits
     assert _same_bytes(strided.contiguous(), src)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.complex64, torch.complex128], ids=str)
+def test_the_run_copy_moves_every_bit_pattern_into_integer_views(dtype, device):
+    """Staging's copy of a run (integer views of a segment, sources of one dtype): every bit
+    pattern arrives, complex128 (no integer of its size) and lazy negative / conjugate views
+    (whose bytes are not their values) included."""
+    n = 4099
+    if dtype.is_complex:
+        src = torch.randn(n, dtype=dtype, generator=torch.Generator().manual_seed(3)).to(device)
+        lazy = src.conj() if dtype == torch.complex64 else src
+    else:
+        src = bits(_patterns(dtype, n, seed=2)).to(device).view(dtype)
+        lazy = src
+    srcs = [src[:100], src[100:], lazy]
+    flat = torch.empty(2 * n, dtype=dtype, device=device)
+    region = flat if dtype == torch.complex128 else bits(flat)
+    views = torch._C._nn.unflatten_dense_tensors(region, srcs)
+    foreach_copy_run_bits(views, srcs, dtype)
+    assert _same_bytes(flat[:n], src)
+    assert _same_bytes(flat[n:], lazy.resolve_conj())  # a lazy view: its values, as copy_ gives
+    if not dtype.is_complex:  # a negative view among the sources: its values too
+        neg = torch.randn(8, dtype=torch.complex64).conj().imag
+        if dtype == torch.float32:
+            out = torch.empty(8, dtype=torch.int32)
+            foreach_copy_run_bits([out], [neg], torch.float32)
+            assert torch.equal(out.view(torch.float32), neg.resolve_neg())
 
 
 def test_copy_bits_refuses_a_dtype_change():

@@ -30,7 +30,7 @@ from ..model.validation import StrictHandling
 from ..parallel import collectives
 from ..parallel.load_checks import RestoreCheck, check_restorable, same_structure
 from ..parallel.opaque_state_dict import is_opaque, load_opaque
-from ..parallel.template import prepare_template, shard_targets
+from ..parallel.template import ShardTargets, prepare_template
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import group_of
 from ..replication.parity_peer import rebuild_lost
@@ -54,7 +54,7 @@ class _Request:
     reshard_objects: Optional[Callable] = None
     elastic_template: Optional[Callable[[], Any]] = None
     template: Any = None  # prepared (PreparedTemplate)
-    targets: Dict[Any, torch.Tensor] = field(default_factory=dict)
+    targets: ShardTargets = field(default_factory=ShardTargets)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -200,11 +200,11 @@ class LoadPath:
         it take it), and the restore's progress. A failure here travels with the first
         collective, so every rank stops together."""
         progress = _Progress()
-        prepared, targets = None, {}
+        prepared, targets = None, ShardTargets()
         try:
             if template is not None:
                 prepared = prepare_template(template)
-                targets = shard_targets(prepared.shards)
+                targets = prepared.targets()
         except Exception as e:
             progress.failure = e
         req = _Request(template, strict, reshard_objects, elastic_template, prepared, targets)
@@ -299,7 +299,7 @@ class LoadPath:
         del f, retrieved
         self._heal_after_restore()
         # The next save is of this size, usually: its segment is made (GPU state: locked) now.
-        self.prepare_next_segment(own_nbytes, any(t.is_cuda for t in req.targets.values()))
+        self.prepare_next_segment(own_nbytes, req.targets.on_cuda)
         m = self.last_load_metrics
         m.to_state_dict_s = time.perf_counter() - t1
         m.total_s = time.perf_counter() - req.t0

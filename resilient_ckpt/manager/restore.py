@@ -25,10 +25,11 @@ from ..errors import (
     StoreError,
 )
 from ..memory import checksum
-from ..memory.layout import CheckpointHeader, CheckpointId, TensorLayout, failed_tensors
+from ..memory.layout import CheckpointHeader, CheckpointId, failed_tensors
 from ..memory.store import CheckpointStore
 from ..memory.transfer import Moved, Pending, Read, start_checks, start_reads
 from ..parallel import collectives
+from ..parallel.template import ShardTargets
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.parity import ParityGroup, recoverable_owners
 from ..replication.placement import Fetch, plan_retrieval
@@ -257,7 +258,7 @@ def retrieve(
     me: int,
     world_size: int,
     borrow: bool = False,
-    targets: Optional[Mapping[Any, torch.Tensor]] = None,
+    targets: Optional[ShardTargets] = None,
     decoded: Optional[Mapping[int, Any]] = None,
     allow_pickle: bool = False,
     note: Optional[Callable[[Retrieved], Any]] = None,
@@ -292,7 +293,15 @@ def retrieve(
         wanted = {r: r for r in sorted(pending)}
         plan = plan_retrieval(wanted, available, holdings.node_of, sizes, exclude)
         at = _Attempt(
-            store, holdings, iteration, me, borrow, serving, targets or {}, decoded or {}, allow_pickle
+            store,
+            holdings,
+            iteration,
+            me,
+            borrow,
+            serving,
+            targets if targets is not None else ShardTargets(),
+            decoded or {},
+            allow_pickle,
         )
         result, all_failed, notes = _run_attempt(at, plan, transport, group, note if attempt == 1 else None)
         if result is not None and done is None:
@@ -373,7 +382,7 @@ class _Attempt:
     borrow: bool
     #: borrow mode: owner -> (header, verified views) of replicas this rank serves
     serving: Dict[int, Tuple[CheckpointHeader, List[torch.Tensor]]]
-    targets: Mapping[Any, torch.Tensor]
+    targets: ShardTargets
     decoded: Mapping[int, Any]
     allow_pickle: bool = False
 
@@ -575,10 +584,9 @@ def _read_local_into(at: "_Attempt", cid: CheckpointId):
             raise CorruptCheckpointError(
                 f"{cid.stem()}: header lists {len(header.tensors)} tensors, metadata {len(sids)}"
             )
+        direct = at.targets.direct
         for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
-            t = at.targets.get(sid)
-            if _fits(t, lay):
-                tensors[i] = t
+            tensors[i] = direct(sid, lay.dtype, lay.shape)
     for i, lay in enumerate(header.tensors):
         if tensors[i] is None:
             tensors[i] = torch.empty(lay.shape, dtype=lay.torch_dtype)
@@ -587,9 +595,11 @@ def _read_local_into(at: "_Attempt", cid: CheckpointId):
     try:  # the other copies are looked up while the own copy's bytes move
         if at.targets:
             own = set(sids)
-            wanted = {sid: t for sid, t in at.targets.items() if sid not in own}
+            wanted = {sid for sid in at.targets if sid not in own}
             if wanted:
-                others = _plan_node_copies(at.store, at.iteration, wanted, cid.owner, at.allow_pickle)
+                others = _plan_node_copies(
+                    at.store, at.iteration, at.targets, wanted, cid.owner, at.allow_pickle
+                )
         if others:
             try:
                 node_move = start_reads([(o.path, o.reads) for o in others])
@@ -616,12 +626,13 @@ class _NodeCopy:
 def _plan_node_copies(
     store: CheckpointStore,
     iteration: int,
-    wanted: Mapping[Any, torch.Tensor],
+    targets: ShardTargets,
+    wanted: Set[Any],
     skip_owner: int,
     allow_pickle: bool = False,
 ) -> List[_NodeCopy]:
-    """Reads of ``wanted`` (shard id -> target tensor) from other owners' checkpoints of
-    ``iteration`` in this node's store, each shard from the first copy that has it in the
+    """Reads of the ``wanted`` shard ids into their ``targets`` from other owners' checkpoints
+    of ``iteration`` in this node's store, each shard from the first copy that has it in the
     target's dtype and shape. Unreadable copies are skipped (the load exchange brings their
     shards from another rank instead)."""
     out: List[_NodeCopy] = []
@@ -631,17 +642,19 @@ def _plan_node_copies(
             continue
         try:
             reader = store.open(cid)
-            metas = MCoreTensorAwareStateDict.saved_metadata_from_bytes(reader.header.meta, allow_pickle)
-        except (StoreError, OSError) as e:
+            sids = MCoreTensorAwareStateDict.saved_shard_ids_from_bytes(reader.header.meta, allow_pickle)
+        except (StoreError, OSError, CheckpointingException) as e:
             logger.warning("cannot read %s for local shards: %s", cid.stem(), e)
             continue
         copy = _NodeCopy(cid, str(reader.path), [], {})
-        for i, (lay, st) in enumerate(zip(reader.header.tensors, metas)):
-            t = wanted.get(st.shard_id)
-            if st.shard_id not in taken and _fits(t, lay):
+        for i, (lay, sid) in enumerate(zip(reader.header.tensors, sids)):
+            if sid not in wanted or sid in taken:
+                continue
+            t = targets.direct(sid, lay.dtype, lay.shape)
+            if t is not None:
                 copy.reads.append(Read(lay.offset, lay.nbytes, lay.checksum, t, i))
-                copy.shard_of[i] = st.shard_id
-                taken.add(st.shard_id)
+                copy.shard_of[i] = sid
+                taken.add(sid)
         if copy.reads:
             out.append(copy)
     return out
@@ -662,18 +675,6 @@ def _node_shards_read(copies: Sequence[_NodeCopy], moved: Sequence[Moved], wante
             else:
                 filled[sid] = wanted[sid]
     return filled
-
-
-def _fits(t: Optional[torch.Tensor], lay: TensorLayout) -> bool:
-    """``t`` can take the stored tensor's bytes as they are: contiguous, same dtype and shape,
-    on the CPU or a GPU (``memory.transfer`` moves them either way)."""
-    return (
-        t is not None
-        and t.device.type in ("cpu", "cuda")
-        and t.is_contiguous()
-        and t.dtype == lay.torch_dtype
-        and tuple(t.shape) == lay.shape
-    )
 
 
 def _verify(header: CheckpointHeader, arena: torch.Tensor) -> List[int]:

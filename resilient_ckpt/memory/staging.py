@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..bits import bits, foreach_copy_bits
+from ..bits import bits, foreach_copy_bits, foreach_copy_run_bits
 from ..gc_pause import paused_gc
 from .layout import DenseRun, TensorLayout, dense_runs
 from .segment import Segment
@@ -202,7 +202,7 @@ class Stager:
         started = time.perf_counter()
         if runs is None:
             runs = dense_runs(layouts)
-        dests = _Destinations(runs, tensors)
+        dests = _Destinations(runs, tensors, layouts)
         cuda: List[_Item] = []
         cpu: List[_Item] = []
         for k, run in enumerate(runs):
@@ -285,22 +285,30 @@ def run_views(segment: Segment, runs: Sequence[DenseRun], likes: Sequence[Sequen
 
 
 def _copy_run(dst, srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
-    """Copy ``srcs`` into ``dst``: a flat region (viewed in one call) or its views."""
-    foreach_copy_bits(_views(dst, srcs), srcs, non_blocking=non_blocking)
+    """Copy ``srcs`` (one dtype) into ``dst``: a flat region (viewed in one call) or its
+    views (integer views: ``_views`` makes no other kind)."""
+    if srcs:
+        foreach_copy_run_bits(_views(dst, srcs), srcs, srcs[0].dtype, non_blocking=non_blocking)
 
 
-def _copy_run_in_pieces(dst, srcs: Sequence[torch.Tensor], start: int, prefix: StagedPrefix) -> None:
+def _copy_run_in_pieces(
+    dst, srcs: Sequence[torch.Tensor], sizes: Sequence[int], start: int, prefix: StagedPrefix
+) -> None:
     """:func:`_copy_run` of a CPU run starting at byte ``start`` of its segment, about
     :data:`PIECE_BYTES` at a time (a tensor is never split), saying after each piece how far
-    the segment is staged."""
+    the segment is staged. ``sizes``: each source's bytes (from its layout: asking 50,000
+    tensors for theirs costs more than the piece bookkeeping is worth)."""
+    if not srcs:
+        return
     views = _views(dst, srcs)
+    dtype = srcs[0].dtype
     i, pos = 0, start
     while i < len(srcs):
         j, n = i, 0
         while j < len(srcs) and (j == i or n < PIECE_BYTES):
-            n += srcs[j].numel() * srcs[j].element_size()
+            n += sizes[j]
             j += 1
-        foreach_copy_bits(views[i:j], srcs[i:j])
+        foreach_copy_run_bits(views[i:j], srcs[i:j], dtype)
         i, pos = j, pos + n
         prefix.advance(pos)
 
@@ -316,7 +324,7 @@ def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.
         group = [srcs[i] for i in idx]
         flat = _flat_bits(torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device))
         views = _views(flat, group)
-        foreach_copy_bits(views, group, non_blocking=True)
+        foreach_copy_run_bits(views, group, group[0].dtype, non_blocking=True)
         out.append((idx, views))
     return out
 
@@ -329,10 +337,18 @@ class _Destinations:
     """Where each staged item lands in a segment: its run's views made ahead by the prefetcher,
     or its flat region (a mixed run's tensors: their own views of it)."""
 
-    def __init__(self, runs: Sequence[DenseRun], tensors: Sequence[torch.Tensor]):
+    def __init__(
+        self, runs: Sequence[DenseRun], tensors: Sequence[torch.Tensor], layouts: Sequence[TensorLayout]
+    ):
         self._runs = runs
         self._tensors = tensors
+        self._layouts = layouts
         self._split: Dict[int, List[torch.Tensor]] = {}
+
+    def sizes(self, item: _Item) -> List[int]:
+        """The bytes of each of a whole run's tensors, from their layouts."""
+        lay = self._layouts
+        return [lay[i].nbytes for i in self._runs[item[0]].indexes]
 
     def offset(self, item: _Item) -> int:
         """Where the item's run starts in the segment."""
@@ -370,7 +386,7 @@ def _finish(
                 for item in sorted(cpu, key=dests.offset):
                     start = dests.offset(item)
                     prefix.advance(start)  # the alignment gap before this run
-                    _copy_run_in_pieces(dests.of(segment, item), item[2], start, prefix)
+                    _copy_run_in_pieces(dests.of(segment, item), item[2], dests.sizes(item), start, prefix)
     finally:
         if cpu_read is not None:
             cpu_read.set()  # on failure too: the waiter then finds the future's exception

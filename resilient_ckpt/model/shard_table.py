@@ -61,8 +61,9 @@ def decode_shards(data: Any) -> List[ShardedTensor]:
     return decode_table(data)[1]
 
 
-def decode_table(data: Any) -> Tuple[Tuple[tuple, ...], List[ShardedTensor]]:
-    """The rows (as :func:`shard_row` makes them) and their ShardedTensors (``data`` None)."""
+def decode_rows(data: Any) -> Tuple[tuple, ...]:
+    """The rows of :func:`encode_rows`' bytes, as :func:`shard_row` makes them (the table's
+    version checked, the rows not yet)."""
     try:
         with paused_gc():
             version, rows = msgpack.unpackb(data, use_list=False, raw=False)
@@ -73,6 +74,23 @@ def decode_table(data: Any) -> Tuple[Tuple[tuple, ...], List[ShardedTensor]]:
             f"shard table version {version!r}, this reader knows {TABLE_VERSION}; restore with the "
             "resilient_ckpt version that saved the checkpoint"
         )
+    return rows
+
+
+def shard_ids(rows: Sequence[tuple]) -> List[Tuple[str, tuple]]:
+    """Each row's shard id, ``(key, global_offset)`` as ``ShardedTensor.shard_id`` gives it,
+    without making the ShardedTensors (a holder looking up which shards a copy has)."""
+    ids: List[Tuple[str, tuple]] = []
+    for row in rows:
+        if not isinstance(row, tuple) or len(row) != _ROW_FIELDS:
+            raise CodecError(f"shard table row {len(ids)} is malformed; each row has {_ROW_FIELDS} fields")
+        ids.append((row[0], row[4]))
+    return ids
+
+
+def decode_table(data: Any) -> Tuple[Tuple[tuple, ...], List[ShardedTensor]]:
+    """The rows (as :func:`shard_row` makes them) and their ShardedTensors (``data`` None)."""
+    rows = decode_rows(data)
     new = object.__new__
     dtypes = _TORCH_DTYPES
     out = []

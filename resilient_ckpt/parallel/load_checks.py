@@ -13,8 +13,8 @@ when every rank's template has its own checkpoint's structure, one all-reduce in
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -332,6 +332,9 @@ class LoadRequest:
     fully_parallel: bool
     exchange_algo: str
     strict: StrictHandling
+    #: the template tensors received shards land in (``template.ShardTargets``; empty unless
+    #: the load fills the template in place)
+    targets: Mapping[Any, torch.Tensor] = field(default_factory=dict)
 
     def facts(self, validate: bool) -> dict:
         held = [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in self.held.items()]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ from .load_checks import (
     raise_first_error,
 )
 from .sharded_planning import plan_exchange_sharded, use_sharded_planning
-from .template import prepare_template, shard_targets
+from .template import prepare_template
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def load_into(
     )
     # Objects the rank lacks come from a rank that holds them (small; msgpack codec).
     objects = _exchange_objects(members, req.held_objects, group, n, me, ckpt_keys)
-    targets = shard_targets(req.template_shards) if opts.load_into_template else {}
+    targets = req.targets
     loaded = dict(req.held)
     if n > 1:
         loaded.update(
@@ -135,7 +135,7 @@ def _fill_same_structure(ckpt: HeldCheckpoint, template, opts: LoadOptions, grou
     else:
         req, plan = _plan_same_structure_gathered(ckpt, template, opts, group, n)
         exchange_algo = req.exchange_algo
-    targets = shard_targets(req.template_shards) if opts.load_into_template else {}
+    targets = req.targets
     loaded = dict(req.held)
     if plan.transfers:
         loaded.update(execute_exchange(plan, req.held, allocator(targets, ckpt.device), group, exchange_algo))
@@ -244,15 +244,20 @@ def _prepare_load(ckpt: HeldCheckpoint, template, opts: LoadOptions) -> LoadRequ
         fully_parallel,
         exchange_algo,
         strict,
+        prepared.targets() if opts.load_into_template else {},
     )
-    _check_local_shapes(req.template_shards, req.held)
+    _check_local_shapes(req.template_shards, req.held, req.targets)
     return req
 
 
-def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict) -> None:
+def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict, targets: Mapping) -> None:
+    """Raise if a held tensor has another dtype or shape than its template shard asks for. A
+    held tensor that *is* the shard's target was read into it in place: ``shard_targets``
+    checked it already."""
     for st in template_shards:
-        t = held.get(st.shard_id)
-        if t is None:
+        sid = st.shard_id
+        t = held.get(sid)
+        if t is None or (t is st.data and targets.get(sid) is t):
             continue
         if t.dtype != st.dtype:
             raise ValidationError(

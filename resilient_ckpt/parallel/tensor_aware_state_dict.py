@@ -437,15 +437,19 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         return inst
 
     @staticmethod
-    def saved_metadata_from_bytes(data: bytes, allow_pickle: bool = False) -> List[ShardedTensor]:
-        """:attr:`tensor_metadata` of the hollow ``data`` without rebuilding its tree (what a
-        holder of a replica needs to serve its shards)."""
+    def saved_shard_ids_from_bytes(data: bytes, allow_pickle: bool = False) -> List[Any]:
+        """The shard ids of the hollow ``data``'s saved tensors (:attr:`tensor_metadata`), in
+        order, from the shard table's rows without rebuilding its tree or making a
+        ShardedTensor: what a rank looking for its template's shards in another owner's copy
+        needs."""
         d = codec.decode(data, allow_pickle=allow_pickle)
         if d.get("format") != HOLLOW_FORMAT:
-            return MCoreTensorAwareStateDict.from_bytes(data, allow_pickle).tensor_metadata
+            return [
+                st.shard_id for st in MCoreTensorAwareStateDict.from_bytes(data, allow_pickle).tensor_metadata
+            ]
         try:
-            shards = shard_table.decode_shards(d["shards"])
-            return [st for st, s in zip(shards, d["saved"]) if s]
+            ids = shard_table.shard_ids(shard_table.decode_rows(d["shards"]))
+            return [sid for sid, s in zip(ids, d["saved"]) if s]
         except (KeyError, TypeError) as e:
             raise ValidationError(f"hollow state dict bytes lack field {e} or hold it damaged") from e
 

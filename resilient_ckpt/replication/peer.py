@@ -58,7 +58,9 @@ class _Landing:
     def __init__(self, store: CheckpointStore, chunk: int):
         self.store = store
         self.chunk = chunk
-        self.claimed: List[Tuple[Segment, bytes, CheckpointId]] = []
+        #: (segment, parsed header to publish, id): the header as ``check`` parsed it, so
+        #: publishing it parses its 50k tensor entries no second time
+        self.claimed: List[Tuple[Segment, CheckpointHeader, CheckpointId]] = []
         self.pipes: Dict[int, _PagePipeline] = {}
 
     def incoming(self, src: int, check: Callable[[bytes], CheckpointHeader]) -> Incoming:
@@ -72,7 +74,7 @@ class _Landing:
         def allocate(hdr: bytes, nbytes: int) -> torch.Tensor:
             h = check(hdr)
             seg = self.store.allocate(h.iteration, h.owner, nbytes, populate=False)
-            self.claimed.append((seg, hdr, h.id))
+            self.claimed.append((seg, h, h.id))
             first["header"] = h
             self.pipes[src] = _PagePipeline(seg, self.chunk)
             return seg.buffer
@@ -97,7 +99,7 @@ class _Landing:
                 )
             for i, (seg, _, cid) in enumerate(self.claimed):
                 if cid == h.id:
-                    self.claimed[i] = (seg, final, cid)
+                    self.claimed[i] = (seg, f, cid)
 
         return Incoming(src, allocate, on_chunk=landed, seal=seal)
 
@@ -107,9 +109,9 @@ class _Landing:
 
     def publish(self) -> List[CheckpointId]:
         out = []
-        for seg, hdr, cid in self.claimed:
+        for seg, header, cid in self.claimed:
             seg.close()
-            self.store.write_raw_header(hdr, cid)
+            self.store.write_header(header)
             out.append(cid)
         return out
 

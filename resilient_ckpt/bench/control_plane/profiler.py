@@ -26,7 +26,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("structure walk", _PKG + "parallel.tensor_aware_state_dict:sharded_objects", "phase"),
     ("structure walk", _PKG + "parallel.template:sharded_objects", "phase"),
     ("structure walk", _PKG + "parallel.load_checks:sharded_objects", "phase"),
-    ("structure walk", _PKG + "manager.loading:shard_targets", "phase"),
+    ("structure walk", _PKG + "parallel.template:shard_targets", "phase"),
     # the cached save's one walk (tree, shard rows) and its comparison with the cache
     ("structure walk", _PKG + "manager.saving:snapshot_parts", "phase"),
     ("fingerprint", _PKG + "manager.saving:SavePath._probe", "phase"),
