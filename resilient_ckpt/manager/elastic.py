@@ -32,10 +32,9 @@ from ..memory.layout import CheckpointHeader, CheckpointId
 from ..memory.reader import map_readonly
 from ..memory.store import CheckpointStore
 from ..memory.transfer import Pending, Read, read_into, start_reads
-from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges, dtype_name
 from ..model.nested import fill_holes, map_leaves, map_leaves_inplace, merge
 from ..parallel import collectives
-from ..parallel.exchange import dtype_name
 from ..parallel.resharding import (
     Piece,
     SavedShard,

@@ -347,10 +347,13 @@ class LoadPath:
         ``extra``), the template being of the checkpoint's agreed structure."""
         if not self._same_structure_checked(template):
             return False
-        # The shard ids of what to_state_dict will hold (tasd.held(extra)), without its walk of
-        # the tree for objects and keys: the fill makes that walk once anyway.
-        saved = {st.shard_id for st in tasd.tensor_metadata}
-        return all(st.shard_id in saved or st.shard_id in extra for st in template.shards)
+        # Of the checkpoint's structure, so its shards are the checkpoint's, row for row: those
+        # this rank saved are held; the others must be among ``extra``. (Without to_state_dict's
+        # walk of the tree for objects and keys: the fill makes that walk once anyway.)
+        mask = tasd.saved_mask
+        if len(mask) != len(template.shards):
+            return False
+        return all(saved or st.shard_id in extra for st, saved in zip(template.shards, mask))
 
     def _fill(self, tasd, template, strict, extra, held_everywhere: bool = False):
         """The template filled through the load exchange (collective; this manager's groups,

@@ -40,9 +40,9 @@ from ..memory.layout import (
 )
 from ..memory.segment import Segment
 from ..memory.staging import RunPlan, StagingHandle
-from ..model.validation import object_record
+from ..model.validation import object_record, row_record
 from ..parallel import collectives
-from ..parallel.distribution import ShardDistribution, structure_fingerprint
+from ..parallel.distribution import ShardDistribution, fingerprint_records, structure_fingerprint
 from ..parallel.hollow import HollowEncoding, encode_hollow
 from ..parallel.opaque_state_dict import OpaqueStateDict
 from ..parallel.snapshot import SnapshotParts, snapshot_parts
@@ -135,9 +135,19 @@ class _StructureCache:
     and object records), and for a plain state dict everything a cached save reuses. Valid
     for a save only if every rank's structure is its cache's (the save's vote decides)."""
 
-    key: str  # structure_fingerprint(shards, objects)
+    #: structure_fingerprint(shards, objects); None after a plain state dict's save, whose
+    #: later saves compare their one-walk parts instead: derived from the snapshot's rows
+    #: only if a general-path save asks (:meth:`matches`)
+    key: Optional[str]
     distribution: Optional[ShardDistribution]
     snapshot: Optional[_SnapshotCache] = None
+
+    def matches(self, key: str) -> bool:
+        """The general path's test: ``key`` is the digest of this cache's structure."""
+        if self.key is None and self.snapshot is not None:
+            snap = self.snapshot
+            self.key = fingerprint_records(map(row_record, snap.encoding.rows), snap.objects)
+        return self.key == key
 
 
 @dataclass
@@ -275,14 +285,13 @@ class SavePath:
                 return _Probe(parts=parts)
             shards = parts.shards
             tensors = [shards[i].data for i in snap.saved_index]
-            # Device types as pop_tensors records them (Tensor.device builds an object: slower).
-            devices = [("cpu" if t.is_cpu else t.device.type) for t in tensors]
+            devices = _device_types(tensors)
             # A tensor on the meta device: the general path names the error, on every rank.
             return _Probe(parts=parts, covered="meta" not in devices, tensors=tensors, devices=devices)
         pre = preprocess(state_dict)
         sharded = pre[0]
         key = structure_fingerprint(*sharded_leaves(sharded))
-        return _Probe(preprocessed=pre, covered=cache is not None and cache.key == key)
+        return _Probe(preprocessed=pre, covered=cache is not None and cache.matches(key))
 
     def _snapshot(self, state_dict: Any, probe: "_Probe", cached: bool) -> MCoreTensorAwareStateDict:
         """Stage 2: the tensor-aware state dict of what this rank saves: its distribution
@@ -309,8 +318,10 @@ class SavePath:
             validation_group=self._control_group(),
             parts=probe.parts,
         )
+        # A plain state dict's later saves compare its one-walk parts instead (the snapshot
+        # cache): its digest (another 50k records) is made only if a general-path save asks.
         tree = tasd.sharded_state_dict
-        key = structure_fingerprint(*sharded_leaves(tree))
+        key = None if probe.parts is not None else structure_fingerprint(*sharded_leaves(tree))
         self._structure = _StructureCache(key, distribution)
         return tasd
 
@@ -328,19 +339,20 @@ class SavePath:
         tensors = list(tasd.tensors)
         layouts, total, runs = plan_layout_runs([(t.dtype, t.shape) for t in tensors])
         self._start_copies(tensors, layouts, total, runs, iteration, staged)
-        popped = tasd.pop_tensors()
-        try:
-            if parts is not None and self._kind == "dict" and self._structure is not None:
-                enc = tasd.hollow_encoding(allow_pickle=self.options.allow_pickle, parts=parts)
-                meta = enc.meta
-                objects = [object_record(o) for o in parts.objects]
-                self._structure.snapshot = _SnapshotCache(
-                    enc, objects, tasd.saved_mask, layouts, total, RunPlan(runs, layouts)
-                )
-            else:
+        if parts is not None and self._kind == "dict" and self._structure is not None:
+            # Encoded from the parts, tensors left in place (no pop and re-insert).
+            enc = tasd.hollow_encoding(self.options.allow_pickle, parts, _device_types(tensors))
+            meta = enc.meta
+            objects = [object_record(o) for o in parts.objects]
+            self._structure.snapshot = _SnapshotCache(
+                enc, objects, tasd.saved_mask, layouts, total, RunPlan(runs, layouts)
+            )
+        else:
+            popped = tasd.pop_tensors()
+            try:
                 meta = tasd.to_bytes(allow_pickle=self.options.allow_pickle)
-        finally:
-            tasd.insert_tensors(popped)
+            finally:
+                tasd.insert_tensors(popped)
         staged.header = self._header(iteration, layouts, total, meta)
 
     def _stage_cached(self, probe: "_Probe", iteration: int, staged: "_Staged") -> None:
@@ -890,3 +902,9 @@ def _with_checksums(header: CheckpointHeader, segment: Segment) -> CheckpointHea
         for l in header.tensors
     )
     return replace(header, tensors=tensors)
+
+
+def _device_types(tensors) -> List[str]:
+    """Each tensor's device type, as ``pop_tensors`` records them (``Tensor.device`` builds an
+    object per call: 3x slower than ``is_cpu``)."""
+    return [("cpu" if t.is_cpu else t.device.type) for t in tensors]

@@ -30,6 +30,18 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     return all(r == 0 for r in replica_id)
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how shard records, layouts and the exchange name a
+    dtype (cached: ``str(dtype)`` builds a string each call, and records are made per shard)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 def dtype_nbytes(dtype: torch.dtype) -> int:
     # torch.dtype.itemsize exists from torch 2.1; bits covers sub-byte-free dtypes uniformly.
     return dtype.itemsize

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import ValidationError, strictness_error
+from .mapping import dtype_name, is_main_replica
 
 # A compact, msgpack-able description of one local shard, gathered from every rank:
 # (key, global_offset, local_extent_per_global_axis, global_shape, dtype_name, is_main,
@@ -71,16 +72,26 @@ def parse_strict_flag(strict: Union[str, StrictHandling, object]) -> StrictHandl
 
 
 def shard_record(sh) -> ShardRecord:
-    extent = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    p = sh.prepend_axis_num
+    extent = (1,) * p + tuple(sh.local_shape) if p else tuple(sh.local_shape)
     return (
         sh.key,
         tuple(sh.global_offset),
         extent,
         tuple(sh.global_shape),
-        str(sh.dtype).replace("torch.", ""),
+        dtype_name(sh.dtype),
         sh.is_main_replica(),
         bool(sh.allow_shape_mismatch),
     )
+
+
+def row_record(row: tuple) -> ShardRecord:
+    """:func:`shard_record` of the ShardedTensor a shard-table row describes
+    (``shard_table.shard_row``: key, dtype name, local shape, global shape, global offset,
+    fragmentation, replica id, prepended axes, shape-mismatch flag)."""
+    key, dtype, local, glob, off, _frag, replica, prepend, mismatch = row
+    extent = (1,) * prepend + tuple(local) if prepend else tuple(local)
+    return (key, tuple(off), extent, tuple(glob), dtype, is_main_replica(replica), bool(mismatch))
 
 
 def object_record(obj) -> ObjectRecord:

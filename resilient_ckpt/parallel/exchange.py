@@ -122,10 +122,6 @@ def _nbytes(dtype_name: str, shape) -> int:
     return n
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def execute_exchange(
     plan: ExchangePlan,
     held: Mapping[ShardId, torch.Tensor],

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ValidationError
-from ..model.mapping import ShardedObject, ShardedTensor
+from ..model.mapping import ShardedObject, ShardedTensor, dtype_name
 from ..model.validation import (
     StrictHandling,
     apply_strictness,
@@ -30,7 +30,7 @@ from ..model.validation import (
     validate_sharding_integrity,
 )
 from . import collectives
-from .exchange import dtype_name, plan_exchange
+from .exchange import plan_exchange
 from .hollow import hollow_parts
 from .template import PreparedTemplate, prepare_template, sharded_leaves, sharded_objects
 

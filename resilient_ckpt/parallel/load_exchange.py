@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from ..errors import ValidationError
 from ..model import codec
-from ..model.mapping import ShardedObject, ShardedTensor
+from ..model.mapping import ShardedObject, ShardedTensor, dtype_name
 from ..model.nested import fill_holes, map_leaves, merge
 from ..model.validation import StrictHandling, parse_strict_flag
 from . import collectives
-from .exchange import ExchangePlan, dtype_name, execute_exchange, plan_exchange
+from .exchange import ExchangePlan, execute_exchange, plan_exchange
 from .exchange import check_algo as check_exchange_algo
 from .fill import allocator, fill_template
 from .load_checks import (

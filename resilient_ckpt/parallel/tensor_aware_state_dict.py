@@ -45,7 +45,7 @@ from .distribution import (
     ShardDistribution,
     check_cached,
     compute_distribution,
-    structure_fingerprint,
+    fingerprint_records,
 )
 from .hollow import HOLLOW_FORMAT, HollowEncoding, encode_hollow, hollow_parts, tree_from_skeleton
 from .load_checks import gather_facts, raise_first_error
@@ -80,9 +80,10 @@ def _plan_gathered(shards, objects, group, validation_group, local_exc) -> Optio
     payload = {"rank": collectives.world_rank(), "error": None, "shards": [], "objects": [], "fp": ""}
     if local_exc is None:
         try:
-            payload["shards"] = [list(shard_record(sh)) for sh in shards]
+            records = [shard_record(sh) for sh in shards]  # made once: sent and digested
+            payload["shards"] = [list(r) for r in records]
             payload["objects"] = [list(object_record(o)) for o in objects]
-            payload["fp"] = structure_fingerprint(shards)
+            payload["fp"] = fingerprint_records(records)
         except Exception as e:  # reported to every rank below
             local_exc = e
     if local_exc is not None:
@@ -386,13 +387,25 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         return self.hollow_encoding(allow_pickle).meta
 
     def hollow_encoding(
-        self, allow_pickle: bool = False, parts: Optional[SnapshotParts] = None
+        self,
+        allow_pickle: bool = False,
+        parts: Optional[SnapshotParts] = None,
+        devices: Optional[Sequence[Optional[str]]] = None,
     ) -> "HollowEncoding":
         """:meth:`to_bytes` with the parts a cached save reuses. ``parts``: the
         :func:`snapshot_parts` this instance was built from (``from_state_dict(parts=...)``),
-        whose skeleton and rows are this tree's: not derived again."""
-        if not self._is_hollow and any(self._saved):
+        whose skeleton and rows are this tree's: not derived again. With ``parts``, ``devices``
+        (each saved tensor's device type, as :meth:`pop_tensors` records them) encodes the
+        state dict as if popped, with its tensors left in place: the encoding reads the parts,
+        never the tree (a save then pops and re-inserts nothing: 50k checks of each tensor)."""
+        if devices is not None and parts is not None:
+            if len(devices) != len(self._devices):
+                raise ValidationError(f"{len(devices)} device types for {len(self._devices)} saved tensors")
+            devices = [d if known is None else known for d, known in zip(devices, self._devices)]
+        elif not self._is_hollow and any(self._saved):
             raise HollowStateError("to_bytes() needs a hollow state dict; call pop_tensors() first")
+        else:
+            devices = self._devices
         if parts is not None:
             skeleton, rows, objects = parts.skeleton, parts.rows, parts.objects
         else:
@@ -400,7 +413,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         skeleton_bytes = codec.encode(skeleton)
         table_bytes = shard_table.encode_rows(rows)
         meta = encode_hollow(
-            self.common, skeleton_bytes, table_bytes, objects, self._saved, self._devices, allow_pickle
+            self.common, skeleton_bytes, table_bytes, objects, self._saved, devices, allow_pickle
         )
         return HollowEncoding(meta, skeleton, rows, skeleton_bytes, table_bytes)
 

@@ -32,7 +32,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     ("fingerprint", _PKG + "manager.saving:SavePath._probe", "phase"),
     ("fingerprint", _PKG + "manager.saving:SavePath._stage_cached", "phase"),
     # fingerprint: the structure digest (first save), the cached distribution's check
-    ("fingerprint", _PKG + "parallel.tensor_aware_state_dict:structure_fingerprint", "phase"),
+    ("fingerprint", _PKG + "parallel.tensor_aware_state_dict:fingerprint_records", "phase"),
     ("fingerprint", _PKG + "parallel.distribution:structure_fingerprint", "phase"),
     ("fingerprint", _PKG + "parallel.tensor_aware_state_dict:check_cached", "phase"),
     # distribution: from_state_dict's own part (shard records, meta check, dropping unsaved

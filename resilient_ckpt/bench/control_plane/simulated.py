@@ -165,9 +165,9 @@ def _check_synthetic(lay: SimLayout, ranks: Sequence[_Rank]) -> None:
     """The synthetic payloads equal what the real code builds from real ShardedTensors."""
     import msgpack
 
+    from ...model.mapping import dtype_name
     from ...model.validation import object_record, shard_record
     from ...parallel.distribution import structure_fingerprint
-    from ...parallel.exchange import dtype_name
     from ...parallel.load_checks import load_facts
     from ...parallel.template import preprocess, sharded_objects, sharded_tensors
 
