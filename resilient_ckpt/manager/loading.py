@@ -725,7 +725,8 @@ class LoadPath:
         if retrieved.served_by is not None:
             # Lost node: the holder of the replica serves this rank's shards in the exchange.
             return tasd.holding_nothing()
-        tasd.insert_tensors(retrieved.tensors)
+        # Every tensor was made for, or read into after matching, its stored layout.
+        tasd.insert_tensors(retrieved.tensors, layouts=retrieved.header.tensors)
         _restore_devices(tasd)
         return tasd
 

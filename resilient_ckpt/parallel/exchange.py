@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..bits import bits
 from ..errors import CheckpointingException, ValidationError
-from ..model.mapping import ShardId
+from ..model.mapping import ShardId, dtype_name  # noqa: F401 (re-exported: the exchange names dtypes so)
 from ..timing import PEERS, phase
 from . import collectives
 

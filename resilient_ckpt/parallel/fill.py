@@ -14,6 +14,7 @@ from ..bits import copy_bits
 from ..model.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..model.nested import map_leaves_inplace
 from ..timing import COPY, phase
+from .hollow import tree_from_skeleton
 from .load_checks import LoadRequest
 
 
@@ -32,29 +33,39 @@ def allocator(targets: Dict[Any, torch.Tensor], device: torch.device):
 
 def fill_template(req: LoadRequest, loaded, targets, objects, unexpected) -> Any:
     """The template's sharded part with every leaf replaced by its data (in the template's
-    own tensor where possible); keys this rank requested but no checkpoint has are dropped."""
-
-    def fill(v):
-        if isinstance(v, ShardedTensor):
-            if v.key in unexpected:
-                return _DROP
-            t = loaded[v.shard_id]
-            dst = targets.get(v.shard_id)
-            if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
-                copy_bits(dst, t)
-                return dst
-            return t
-        if isinstance(v, ShardedObject):
-            if v.key in unexpected:
-                return _DROP
-            o = req.held_objects.get(v.object_id)
-            return o.data if o is not None else objects[v.object_id]
-        return v
-
-    sharded = req.sharded
+    own tensor where possible); keys this rank requested but no checkpoint has are dropped.
+    A template known by its skeleton (``req.skeleton``: prepared in one walk) is filled row by
+    row and its tree built once from the skeleton, instead of walking the tree for leaves."""
     with phase(COPY):  # on a GPU: the H2D copies queued
+        if req.skeleton is not None and not unexpected:
+            shards = [_filled_shard(st, loaded, targets) for st in req.template_shards]
+            objs = [_filled_object(o, req, objects) for o in req.template_objects]
+            return apply_factory_merges(tree_from_skeleton(req.skeleton, shards, objs), req.factories)
+
+        def fill(v):
+            if isinstance(v, ShardedTensor):
+                return _DROP if v.key in unexpected else _filled_shard(v, loaded, targets)
+            if isinstance(v, ShardedObject):
+                return _DROP if v.key in unexpected else _filled_object(v, req, objects)
+            return v
+
+        sharded = req.sharded
         map_leaves_inplace(fill, sharded)
     return apply_factory_merges(_drop_marked(sharded), req.factories)
+
+
+def _filled_shard(st: ShardedTensor, loaded, targets) -> torch.Tensor:
+    t = loaded[st.shard_id]
+    dst = targets.get(st.shard_id)
+    if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
+        copy_bits(dst, t)
+        return dst
+    return t
+
+
+def _filled_object(o: ShardedObject, req: LoadRequest, objects) -> Any:
+    held = req.held_objects.get(o.object_id)
+    return held.data if held is not None else objects[o.object_id]
 
 
 class _Drop:

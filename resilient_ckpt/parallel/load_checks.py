@@ -335,6 +335,9 @@ class LoadRequest:
     #: the template tensors received shards land in (``template.ShardTargets``; empty unless
     #: the load fills the template in place)
     targets: Mapping[Any, torch.Tensor] = field(default_factory=dict)
+    #: the sharded part's skeleton (ints index ``template_shards`` / ``template_objects``),
+    #: when the template was taken apart in one walk: the fill builds the tree from it once
+    skeleton: Optional[Any] = None
 
     def facts(self, validate: bool) -> dict:
         held = [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in self.held.items()]

@@ -245,6 +245,7 @@ def _prepare_load(ckpt: HeldCheckpoint, template, opts: LoadOptions) -> LoadRequ
         exchange_algo,
         strict,
         prepared.targets() if opts.load_into_template else {},
+        prepared.structure[0] if prepared.structure is not None else None,
     )
     _check_local_shapes(req.template_shards, req.held, req.targets)
     return req

@@ -31,7 +31,7 @@ from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwar
 from ..bits import bits, copy_bits
 from ..errors import HollowStateError, ValidationError
 from ..model import codec, shard_table
-from ..model.mapping import ShardedObject, ShardedTensor
+from ..model.mapping import ShardedObject, ShardedTensor, dtype_name
 from ..model.mapping import adapt as _adapt_leaf
 from ..model.nested import map_leaves
 from ..model.validation import (
@@ -313,26 +313,42 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         self._is_hollow = True
         return out
 
-    def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
+    def insert_tensors(
+        self, tensor_data: Iterable[torch.Tensor], layouts: Optional[Sequence[Any]] = None
+    ) -> None:
+        """Put the saved shards' tensors back, checked against their metadata. ``layouts``
+        (our extension): per tensor, the stored layout (``dtype`` name, ``shape``) it was made
+        or read for — each shard is then checked against its layout in plain Python instead of
+        asking each tensor (a restore of 50k tensors: torch attribute reads dominate)."""
         if not self._is_hollow:
             raise HollowStateError("insert_tensors() needs a hollow state dict; call pop_tensors() first")
         tensors = list(tensor_data)
         targets = self._saved_sharded_tensors()
-        if len(tensors) != len(targets):
+        if len(tensors) != len(targets) or (layouts is not None and len(layouts) != len(targets)):
             raise ValidationError(
                 f"insert_tensors() got {len(tensors)} tensors for {len(targets)} saved shards"
             )
-        for st, t in zip(targets, tensors):
-            if not isinstance(t, torch.Tensor):
-                raise ValidationError(f"insert_tensors(): {st.key!r} got a {type(t).__name__}, not a tensor")
-            if t.dtype != st.dtype or tuple(t.shape) != st.local_shape:
-                raise ValidationError(
-                    f"insert_tensors(): {st.key!r} at offset {st.global_offset} expects "
-                    f"{st.dtype} {st.local_shape}, got {t.dtype} {tuple(t.shape)}"
-                )
+        if layouts is not None:
+            for st, lay in zip(targets, layouts):
+                if lay.dtype != dtype_name(st.dtype) or lay.shape != st.local_shape:
+                    raise ValidationError(
+                        f"insert_tensors(): {st.key!r} at offset {st.global_offset} expects "
+                        f"{st.dtype} {st.local_shape}, the stored tensor is {lay.dtype} {lay.shape}"
+                    )
+        else:
+            for st, t in zip(targets, tensors):
+                if not isinstance(t, torch.Tensor):
+                    raise ValidationError(
+                        f"insert_tensors(): {st.key!r} got a {type(t).__name__}, not a tensor"
+                    )
+                if t.dtype != st.dtype or tuple(t.shape) != st.local_shape:
+                    raise ValidationError(
+                        f"insert_tensors(): {st.key!r} at offset {st.global_offset} expects "
+                        f"{st.dtype} {st.local_shape}, got {t.dtype} {tuple(t.shape)}"
+                    )
         for i, (st, t) in enumerate(zip(targets, tensors)):
             st.data = t
-            if self._devices[i] == t.device.type:
+            if self._devices[i] == ("cpu" if t.is_cpu else t.device.type):
                 self._devices[i] = None
             # The caller may still use these tensors: copy_tensors_to_cpu must copy them.
             self._private[i] = False
