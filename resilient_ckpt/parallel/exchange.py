@@ -115,8 +115,8 @@ def plan_exchange(gathered: Sequence[dict]) -> Tuple[ExchangePlan, Dict[int, Lis
     return ExchangePlan(tuple(transfers), specs), dict(absent)
 
 
-def _nbytes(dtype_name: str, shape) -> int:
-    n = getattr(torch, dtype_name).itemsize
+def _nbytes(dtype: str, shape) -> int:
+    n = getattr(torch, dtype).itemsize
     for s in shape:
         n *= s
     return n
