@@ -197,10 +197,11 @@ class SavePath:
         group = self._ckpt_group()
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
         try:
-            state_dict, probe, cached = self._prepare(state_dict, iteration)
             # Objects are made per shard below (records, copies, layouts), none of them garbage:
-            # a collection meanwhile would walk the trainer's whole heap, repeatedly.
+            # a collection meanwhile would walk the trainer's whole heap, repeatedly. One pause
+            # for the whole call (see gc_pause: what it keeps skips the young generations).
             with paused_gc():
+                state_dict, probe, cached = self._prepare(state_dict, iteration)
                 if cached and probe.parts is not None:
                     self._stage_cached(probe, iteration, staged)
                 else:
@@ -897,10 +898,11 @@ def _with_checksums(header: CheckpointHeader, segment: Segment) -> CheckpointHea
         return header
     mv = checksum.byte_view(segment.buffer)
     digest = checksum.digest
-    tensors = tuple(
-        new_layout(l.offset, l.nbytes, l.dtype, l.shape, digest(mv[l.offset : l.offset + l.nbytes]))
-        for l in header.tensors
-    )
+    with paused_gc():  # one layout per tensor, all kept (see gc_pause)
+        tensors = tuple(
+            new_layout(l.offset, l.nbytes, l.dtype, l.shape, digest(mv[l.offset : l.offset + l.nbytes]))
+            for l in header.tensors
+        )
     return replace(header, tensors=tensors)
 
 

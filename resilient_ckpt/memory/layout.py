@@ -164,6 +164,10 @@ class CheckpointHeader:
         return raw
 
     def _pack(self) -> bytes:
+        with paused_gc():  # one tuple per tensor: 50k small objects (see unpack)
+            return self._pack_fields()
+
+    def _pack_fields(self) -> bytes:
         return pack_envelope(
             {
                 "magic": MAGIC,

@@ -1,0 +1,72 @@
+"""The collector pause around bulk (de)serialisation (resilient_ckpt.gc_pause): process-wide
+while any thread is inside, and what it leaves alive skips the young generations — a 50k-tensor
+save spent 0.6-1.1 s in the collections that followed its blocks."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+from resilient_ckpt.gc_pause import paused_gc
+
+
+@pytest.fixture(autouse=True)
+def _collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_the_pause_holds_while_any_thread_is_inside():
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with paused_gc():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    with paused_gc():
+        t.start()
+        assert inside.wait(10)
+    # This thread's block ended first: the other's still runs uncollected.
+    assert not gc.isenabled()
+    leave.set()
+    t.join(10)
+    assert gc.isenabled()
+
+
+def test_a_pause_restores_a_collector_that_was_off():
+    gc.disable()
+    with paused_gc():
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_what_a_pause_keeps_is_not_walked_by_young_collections():
+    class Kept:
+        pass
+
+    with paused_gc():
+        kept = [Kept() for _ in range(1000)]
+    young = {id(o) for o in gc.get_objects(generation=0)} | {id(o) for o in gc.get_objects(generation=1)}
+    assert not any(id(o) in young for o in kept)
+    assert gc.get_count()[0] < 100  # the next young collection is not made of them
+
+
+def test_objects_frozen_by_the_process_stay_frozen():
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with paused_gc():
+            _ = [object() for _ in range(10)]
+        assert gc.get_freeze_count() == frozen  # the daemon's freeze is not undone
+    finally:
+        gc.unfreeze()
