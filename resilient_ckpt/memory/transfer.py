@@ -17,6 +17,7 @@ on (the copies are queued, not waited for on the CPU).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -320,7 +321,7 @@ def _units(reads: Sequence[Read]) -> List[List[Read]]:
 def _batch_to_host(fd: int, batch: Sequence[Read], busy: "_Busy") -> List[Tuple[int, bool, bool]]:
     """(index, checksum ok, complete) per read: the batch's file span read by one ``preadv``
     into the targets (padding between them into a scratch buffer)."""
-    views = [_flat_bytes(r.target).numpy() for r in batch]
+    views = [_host_buffer(r) for r in batch]
     iov: list = []
     pos = batch[0].offset
     for r, v in zip(batch, views):
@@ -394,6 +395,20 @@ class _Busy:
         if self.clock is not None:
             self.clock.add_busy(name, t - t0)
         return t
+
+
+_c_char = ctypes.c_char
+
+
+def _host_buffer(r: Read):
+    """A writable buffer over ``r``'s CPU target's bytes, for ``preadv`` and the hash. A ctypes
+    array at the tensor's address costs a sixth of a flat uint8 view's ``numpy()`` — which was
+    three quarters of a reader thread's time at 50k small tensors. Only where the target is
+    contiguous and exactly ``r.nbytes`` long; otherwise the view (which refuses the former)."""
+    t = r.target
+    if t.nbytes == r.nbytes and t.is_contiguous():
+        return (_c_char * r.nbytes).from_address(t.data_ptr())
+    return _flat_bytes(t).numpy()
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,9 @@ def fill_template(req: LoadRequest, loaded, targets, objects, unexpected) -> Any
 
 
 def _filled_shard(st: ShardedTensor, loaded, targets) -> torch.Tensor:
-    t = loaded[st.shard_id]
-    dst = targets.get(st.shard_id)
+    sid = st.shard_id
+    t = loaded[sid]
+    dst = targets.get(sid)
     if dst is not None and dst is not t and dst.dtype == t.dtype and dst.shape == t.shape:
         copy_bits(dst, t)
         return dst

@@ -338,6 +338,12 @@ class LoadRequest:
     #: the sharded part's skeleton (ints index ``template_shards`` / ``template_objects``),
     #: when the template was taken apart in one walk: the fill builds the tree from it once
     skeleton: Optional[Any] = None
+    #: indexes into ``template_shards`` of the shards this rank does not hold (found with the
+    #: local checks, in the same pass)
+    lacking: List[int] = field(default_factory=list)
+
+    def lacking_shards(self) -> List[ShardedTensor]:
+        return [self.template_shards[i] for i in self.lacking]
 
     def facts(self, validate: bool) -> dict:
         held = [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in self.held.items()]

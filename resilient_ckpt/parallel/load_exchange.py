@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -126,9 +126,9 @@ def _fill_same_structure(ckpt: HeldCheckpoint, template, opts: LoadOptions, grou
     if opts.held_everywhere:
         req, plan = _prepare_load(ckpt, template, opts), ExchangePlan((), {})
         exchange_algo = req.exchange_algo
-        lacking = [st.shard_id for st in req.template_shards if st.shard_id not in req.held]
-        if lacking:  # the caller's agreement says otherwise: a bug, not a user error
-            raise AssertionError(f"held_everywhere, but this rank lacks shards {lacking[:4]}")
+        if req.lacking:  # the caller's agreement says otherwise: a bug, not a user error
+            lacking = [st.shard_id for st in req.lacking_shards()[:4]]
+            raise AssertionError(f"held_everywhere, but this rank lacks shards {lacking}")
     elif use_sharded_planning(n):
         req, plan = _plan_same_structure_sharded(ckpt, template, opts, group)
         exchange_algo = "p2p"  # each rank knows its own transfers only
@@ -161,7 +161,7 @@ def _prepare_or_fail_together(ckpt, template, opts, group) -> LoadRequest:
 def _plan_same_structure_sharded(ckpt, template, opts, group):
     req = _prepare_or_fail_together(ckpt, template, opts, group)
     held = req.held
-    need = [(st.key, st.global_offset) for st in req.template_shards if st.shard_id not in held]
+    need = [(st.key, st.global_offset) for st in req.lacking_shards()]
     holdings = [(sid[0], sid[1], dtype_name(t.dtype), tuple(t.shape)) for sid, t in held.items()]
     plan, first_absent = plan_exchange_sharded(need, holdings, group)
     if first_absent is not None:
@@ -176,10 +176,7 @@ def _plan_same_structure_gathered(ckpt, template, opts, group, n):
     facts: Dict[str, Any] = {"rank": collectives.world_rank(), "error": None, "need": [], "held": []}
     try:
         req = _prepare_load(ckpt, template, opts)
-        held = req.held
-        facts["need"] = [
-            [st.key, list(st.global_offset)] for st in req.template_shards if st.shard_id not in held
-        ]
+        facts["need"] = [[st.key, list(st.global_offset)] for st in req.lacking_shards()]
     except Exception as e:  # reported to every rank below
         local_exc = e
         facts["error"] = f"{type(e).__name__}: {e}"
@@ -247,18 +244,22 @@ def _prepare_load(ckpt: HeldCheckpoint, template, opts: LoadOptions) -> LoadRequ
         prepared.targets() if opts.load_into_template else {},
         prepared.structure[0] if prepared.structure is not None else None,
     )
-    _check_local_shapes(req.template_shards, req.held, req.targets)
+    req.lacking = _check_local_shapes(req.template_shards, req.held, req.targets)
     return req
 
 
-def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict, targets: Mapping) -> None:
+def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict, targets: Mapping) -> List[int]:
     """Raise if a held tensor has another dtype or shape than its template shard asks for. A
     held tensor that *is* the shard's target was read into it in place: ``shard_targets``
-    checked it already."""
-    for st in template_shards:
+    checked it already. Returns the indexes of the shards not held (the same pass)."""
+    lacking: List[int] = []
+    for i, st in enumerate(template_shards):
         sid = st.shard_id
         t = held.get(sid)
-        if t is None or (t is st.data and targets.get(sid) is t):
+        if t is None:
+            lacking.append(i)
+            continue
+        if t is st.data and targets.get(sid) is t:
             continue
         if t.dtype != st.dtype:
             raise ValidationError(
@@ -271,6 +272,7 @@ def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict, ta
                 f"{tuple(t.shape)}, the state dict asks for {st.local_shape} (set "
                 "allow_shape_mismatch=True to accept the stored shape)"
             )
+    return lacking
 
 
 def _exchange_objects(members, held_objects, group, n: int, me: int, ckpt_keys) -> Dict[Tuple, Any]:
