@@ -121,12 +121,16 @@ def sharding_problems(
     for rank, recs in enumerate(global_shards):
         for rec in recs:
             by_key[rec[0]].append((rank, rec))
-    for key in sorted(by_key):
-        entries = by_key[key]
-        if _tiles_along_one_axis(entries):
-            continue
+    # Keys in any order (sorting 50k keys cost more than checking most of them); only the
+    # keys with problems are sorted, for the report.
+    bad = [
+        key
+        for key, entries in by_key.items()
+        if not _whole_once(entries) and not _tiles_along_one_axis(entries)
+    ]
+    for key in sorted(bad):
         # No early exit: the message counts the problems it does not show.
-        for p in _check_tensor_key(key, [(rank, _tuplify(rec)) for rank, rec in entries]):
+        for p in _check_tensor_key(key, [(rank, _tuplify(rec)) for rank, rec in by_key[key]]):
             problems.append((0, key, p))
     obj_by_key: Dict[str, List[Tuple[int, ObjectRecord]]] = defaultdict(list)
     for rank, recs in enumerate(global_objects):
@@ -155,48 +159,85 @@ def raise_problems(problems: Sequence[str], total: Optional[int] = None) -> None
     )
 
 
+def _whole_once(entries) -> bool:
+    """The commonest key, in a few comparisons: one piece covering the whole global shape
+    (offset zero), the same on every rank that holds it (a replicated parameter), exactly one
+    main replica. False means only "not this case" (see :func:`_tiles_along_one_axis`)."""
+    first = entries[0][1]
+    off, extent, shape, dtype = first[1], first[2], first[3], first[4]
+    if first[6] or any(off) or list(extent) != list(shape):
+        return False
+    mains = 0
+    for _rank, rec in entries:
+        if rec[1] != off or rec[2] != extent or rec[3] != shape or rec[4] != dtype or rec[6]:
+            return False
+        if rec[5]:
+            mains += 1
+    return mains == 1
+
+
 def _tiles_along_one_axis(entries) -> bool:
     """The common keys, checked in a few comparisons: pieces that split the global shape
     along one axis only (or not at all), back to back from offset zero to the end, each piece
     the same on every rank that holds it with exactly one main replica, one dtype and global
     shape everywhere (an unsharded or tensor-parallel tensor, possibly replicated over data
     parallel). False means only "not this case": :func:`_check_tensor_key` then decides
-    (and words any problem)."""
+    (and words any problem). (Plain loops: generator expressions cost more than the checks at
+    25k sharded keys.)"""
     first = entries[0][1]
-    shape, dtype = list(first[3]), first[4]
-    if first[6]:  # allow_shape_mismatch: the general check's rules
+    shape = tuple(first[3])
+    pieces = None if first[6] else _pieces(entries, shape, first[4])  # mismatch: general rules
+    if pieces is None:
         return False
-    pieces: Dict[tuple, list] = {}  # offset -> [extent, mains]
-    for _rank, rec in entries:
-        if rec[4] != dtype or rec[6] or list(rec[3]) != shape:
+    if not shape:  # a scalar: one piece
+        return len(pieces) == 1
+    axis = _split_axis(pieces, len(shape))
+    if axis is None:
+        return False
+    pos = 0
+    for off in sorted(pieces):
+        ext = pieces[off][0]
+        if off[axis] != pos:
             return False
+        for a, (e, g) in enumerate(zip(ext, shape)):
+            if a != axis and e != g:
+                return False
+        pos += ext[axis]
+    return pos == shape[axis]
+
+
+def _pieces(entries, shape: tuple, dtype: str) -> Optional[Dict[tuple, list]]:
+    """offset -> [extent, main replicas] of a key's records, or None if the records disagree
+    on dtype, global shape or a piece's extent, or a piece has not exactly one main."""
+    pieces: Dict[tuple, list] = {}
+    for _rank, rec in entries:
+        if rec[4] != dtype or rec[6] or tuple(rec[3]) != shape:
+            return None
         off = tuple(rec[1])
         piece = pieces.get(off)
         if piece is None:
             pieces[off] = piece = [tuple(rec[2]), 0]
         elif piece[0] != tuple(rec[2]):
-            return False
+            return None
         if rec[5]:
             piece[1] += 1
-    if any(mains != 1 for _ext, mains in pieces.values()):
-        return False
-    ndim = len(shape)
-    offsets = sorted(pieces)
-    if any(len(off) != ndim or len(pieces[off][0]) != ndim for off in offsets):
-        return False
-    if not ndim:  # a scalar: one piece
-        return len(offsets) == 1
-    split = {a for off in offsets for a in range(ndim) if off[a] != 0}
-    if len(split) > 1:
-        return False
-    axis = split.pop() if split else 0
-    pos = 0
-    for off in offsets:
-        ext = pieces[off][0]
-        if off[axis] != pos or any(ext[a] != shape[a] for a in range(ndim) if a != axis):
-            return False
-        pos += ext[axis]
-    return pos == shape[axis]
+    for off, (ext, mains) in pieces.items():
+        if mains != 1 or len(off) != len(shape) or len(ext) != len(shape):
+            return None
+    return pieces
+
+
+def _split_axis(pieces: Dict[tuple, list], ndim: int) -> Optional[int]:
+    """The one axis the pieces' offsets vary along (0 if none does); None if several do."""
+    axis = -1
+    for off in pieces:
+        for a in range(ndim):
+            if off[a]:
+                if axis < 0:
+                    axis = a
+                elif axis != a:
+                    return None
+    return max(axis, 0)
 
 
 def _tuplify(rec):
