@@ -18,6 +18,7 @@ import bisect
 import hashlib
 import heapq
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -146,11 +147,16 @@ def _improve(assignment, shard_to_ranks, shard_to_size, load, max_moves: Optiona
     """
     num_ranks = len(load)
     groups: Dict[int, Dict[Tuple[int, ...], List[Tuple[int, ShardId]]]] = {r: {} for r in range(num_ranks)}
+    canonical: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # holders as given -> as a set
     for sid, r in assignment.items():
         holders = shard_to_ranks[sid]
         size = shard_to_size[sid]
         if size > 0 and len(holders) > 1:
-            groups[r].setdefault(tuple(sorted(set(holders))), []).append((size, sid))
+            given = tuple(holders)
+            key = canonical.get(given)
+            if key is None:
+                key = canonical[given] = tuple(sorted(set(given)))
+            groups[r].setdefault(key, []).append((size, sid))
     for per_rank in groups.values():
         for entries in per_rank.values():
             entries.sort()
@@ -212,6 +218,7 @@ def compute_distribution(
     shard_to_ranks: Dict[ShardId, List[int]] = {}
     shard_to_size: Dict[ShardId, int] = {}
     has_main = set()
+    itemsize: Dict[str, int] = {}
     for rank, recs in enumerate(gathered):
         for rec in recs["shards"]:
             key, off, extent, _gshape, dtype, main, _mm = rec
@@ -219,7 +226,10 @@ def compute_distribution(
             holders = shard_to_ranks.get(sid)
             if holders is None:
                 shard_to_ranks[sid] = [rank]
-                shard_to_size[sid] = shard_nbytes(extent, dtype)
+                size = itemsize.get(dtype)
+                if size is None:
+                    size = itemsize[dtype] = _itemsize(dtype)
+                shard_to_size[sid] = math.prod(extent) * size
             elif holders[-1] != rank:
                 holders.append(rank)
             if main:
