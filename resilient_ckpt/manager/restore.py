@@ -586,7 +586,7 @@ def _read_local_into(at: "_Attempt", cid: CheckpointId):
             )
         direct = at.targets.direct
         for i, (lay, sid) in enumerate(zip(header.tensors, sids)):
-            tensors[i] = direct(sid, lay.dtype, lay.shape)
+            tensors[i] = direct(sid, lay.torch_dtype, lay.shape)
     for i, lay in enumerate(header.tensors):
         if tensors[i] is None:
             tensors[i] = torch.empty(lay.shape, dtype=lay.torch_dtype)
@@ -650,7 +650,7 @@ def _plan_node_copies(
         for i, (lay, sid) in enumerate(zip(reader.header.tensors, sids)):
             if sid not in wanted or sid in taken:
                 continue
-            t = targets.direct(sid, lay.dtype, lay.shape)
+            t = targets.direct(sid, lay.torch_dtype, lay.shape)
             if t is not None:
                 copy.reads.append(Read(lay.offset, lay.nbytes, lay.checksum, t, i))
                 copy.shard_of[i] = sid

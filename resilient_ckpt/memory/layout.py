@@ -126,10 +126,16 @@ class TensorLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise CorruptCheckpointError(f"unknown dtype {self.dtype!r} in a checkpoint header")
+        dt = _TORCH_DTYPES.get(self.dtype)  # a restore asks 50k layouts
+        if dt is None:
+            dt = getattr(torch, self.dtype, None)
+            if not isinstance(dt, torch.dtype):
+                raise CorruptCheckpointError(f"unknown dtype {self.dtype!r} in a checkpoint header")
+            _TORCH_DTYPES[self.dtype] = dt
         return dt
+
+
+_TORCH_DTYPES: Dict[str, torch.dtype] = {}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from ..model.mapping import (
     ShardedObject,
     ShardedTensor,
     apply_factories_and_adapt,
-    dtype_name,
     is_factory,
     is_sharded,
 )
@@ -115,18 +114,18 @@ def prepare_template(template: Any) -> PreparedTemplate:
 class ShardTargets(Dict[Any, torch.Tensor]):
     """Shard id -> the template tensor restored bytes may land in (materialized, of the
     shard's dtype and local shape; the first shard of an id wins), and for each what a stored
-    tensor must match to be read straight into it: its dtype name and shape, when it is
+    tensor must match to be read straight into it: its dtype and shape, when it is
     contiguous on the CPU or a GPU. Every fact is read from the tensor once, here: a restore
     asks about 50,000 shards at several stages, and each torch attribute costs ~0.5 us."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._direct: Dict[Any, Tuple[str, Tuple[int, ...]]] = {}
+        self._direct: Dict[Any, Tuple[torch.dtype, Tuple[int, ...]]] = {}
         self.on_cuda = False  # any target is on a GPU
 
-    def direct(self, sid: Any, dtype: str, shape: Tuple[int, ...]) -> Optional[torch.Tensor]:
-        """The target of ``sid`` if a stored tensor of ``dtype`` (its name, as layouts spell
-        it) and ``shape`` can be copied into it as it is; else None."""
+    def direct(self, sid: Any, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The target of ``sid`` if a stored tensor of ``dtype`` and ``shape`` can be copied
+        into it as it is; else None."""
         kind = self._direct.get(sid)
         if kind is not None and kind[0] == dtype and kind[1] == shape:
             return self[sid]
@@ -158,5 +157,5 @@ def shard_targets(template_shards: Sequence[ShardedTensor]) -> ShardTargets:
         if cuda:
             targets.on_cuda = True
         if (cpu or cuda) and d.is_contiguous():
-            direct[sid] = (dtype_name(dtype), shape)
+            direct[sid] = (dtype, shape)
     return targets
