@@ -26,12 +26,28 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from typing import Iterator
 
 _lock = threading.Lock()
-_depth = 0  # threads inside a paused block, nested blocks counted
+_depth = 0  # blocks open on all threads, nested ones counted
+_mine = threading.local()  # blocks open on this thread (``n``)
 _resume = False  # the collector was on when the first block began
+
+
+def _after_fork_in_child() -> None:
+    # A fork while other threads were inside blocks (a DataLoader worker forked during a
+    # background save): those threads do not exist in the child, so their blocks never end
+    # there; only the forking thread's own blocks are still open.
+    global _lock, _depth
+    _lock = threading.Lock()
+    _depth = getattr(_mine, "n", 0)
+    if _depth == 0 and _resume:
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -44,10 +60,12 @@ def paused_gc() -> Iterator[None]:
             _resume = gc.isenabled()
             gc.disable()
         _depth += 1
+        _mine.n = getattr(_mine, "n", 0) + 1
     try:
         yield
     finally:
         with _lock:
+            _mine.n -= 1
             _depth -= 1
             if _depth == 0:
                 if gc.get_freeze_count() == 0:

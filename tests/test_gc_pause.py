@@ -5,6 +5,7 @@ save spent 0.6-1.1 s in the collections that followed its blocks."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -73,3 +74,58 @@ def test_objects_frozen_by_the_process_stay_frozen():
         assert gc.get_freeze_count() == frozen  # the daemon's freeze is not undone
     finally:
         gc.unfreeze()
+
+
+def test_a_child_forked_during_a_pause_collects_again():
+    """A fork while another thread is inside a block (a data loader's worker forked during a
+    background save): the child has no such thread, so the pause ends there at once."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with paused_gc():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert inside.wait(10)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running the parent's cleanup
+            os.write(w, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(w)
+        got = os.read(r, 1)
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert got == b"1"
+        assert not gc.isenabled()  # the parent's pause still holds
+    finally:
+        leave.set()
+        t.join(10)
+    assert gc.isenabled()
+
+
+def test_a_child_forked_inside_its_own_pause_ends_it_there():
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    r, w = os.pipe()
+    with paused_gc():
+        pid = os.fork()
+        if pid == 0:
+            ok = not gc.isenabled()  # still inside this thread's block
+    if pid == 0:
+        ok = ok and gc.isenabled()  # ... which ended normally
+        with paused_gc():
+            ok = ok and not gc.isenabled()
+        ok = ok and gc.isenabled()
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"1"
