@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, ForeignCheckpointError
 from ..gc_pause import paused_gc
+from ..model.mapping import TORCH_DTYPES, dtype_name
 from . import checksum
 
 FORMAT_VERSION = 1
@@ -126,16 +127,12 @@ class TensorLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dt = _TORCH_DTYPES.get(self.dtype)  # a restore asks 50k layouts
+        dt = TORCH_DTYPES.get(self.dtype)  # a restore asks 50k layouts
         if dt is None:
             dt = getattr(torch, self.dtype, None)
             if not isinstance(dt, torch.dtype):
                 raise CorruptCheckpointError(f"unknown dtype {self.dtype!r} in a checkpoint header")
-            _TORCH_DTYPES[self.dtype] = dt
         return dt
-
-
-_TORCH_DTYPES: Dict[str, torch.dtype] = {}
 
 
 @dataclass(frozen=True)
@@ -299,7 +296,7 @@ def plan_layout_runs(
     runs: List[DenseRun] = []
     pos = 0
     for dtype, idxs in by_dtype.items():
-        name = str(dtype).replace("torch.", "")
+        name = dtype_name(dtype)
         size = dtype.itemsize
         start = pos
         nonempty = []

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import CodecError
-from .mapping import ShardedObject, ShardedTensor
+from .mapping import DTYPE_NAMES, TORCH_DTYPES, ShardedObject, ShardedTensor
 from .nested import format_path
 
 #: Version of the encoding; bumped on any incompatible change.
@@ -76,10 +76,8 @@ _TAG = {code: _ExtType(int(code), b"") for code in _X}
 _HOLE_EXT = _ExtType(_X.HOLE, b"")
 _COMPLEX = struct.Struct(">dd")
 
-_TORCH_DTYPES: Dict[str, torch.dtype] = {
-    str(d).split(".", 1)[1]: d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
-_TORCH_DTYPE_NAMES: Dict[torch.dtype, str] = {d: n for n, d in _TORCH_DTYPES.items()}
+_TORCH_DTYPES: Dict[str, torch.dtype] = TORCH_DTYPES
+_TORCH_DTYPE_NAMES: Dict[torch.dtype, str] = DTYPE_NAMES
 # Quantized dtypes need a quantizer (scale, zero point) that raw bytes do not carry.
 _TENSOR_DTYPES = {n: d for n, d in _TORCH_DTYPES.items() if not n.startswith("q")}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -30,16 +30,19 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     return all(r == 0 for r in replica_id)
 
 
-_DTYPE_NAMES: dict = {}
+#: every torch dtype by its name (``float32``) and back: how shard records, layouts, the
+#: shard table, the exchange and the codec name dtypes (looked up, not built per call: records
+#: and layouts are made per shard)
+TORCH_DTYPES: Dict[str, torch.dtype] = {
+    str(d).split(".", 1)[1]: d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+DTYPE_NAMES: Dict[torch.dtype, str] = {d: n for n, d in TORCH_DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``float32`` for ``torch.float32``: how shard records, layouts and the exchange name a
-    dtype (cached: ``str(dtype)`` builds a string each call, and records are made per shard)."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
+    """``float32`` for ``torch.float32``."""
+    name = DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).replace("torch.", "")
 
 
 def dtype_nbytes(dtype: torch.dtype) -> int:

@@ -123,11 +123,7 @@ def sharding_problems(
             by_key[rec[0]].append((rank, rec))
     # Keys in any order (sorting 50k keys cost more than checking most of them); only the
     # keys with problems are sorted, for the report.
-    bad = [
-        key
-        for key, entries in by_key.items()
-        if not _whole_once(entries) and not _tiles_along_one_axis(entries)
-    ]
+    bad = [key for key, entries in by_key.items() if not _tiles_along_one_axis(entries)]
     for key in sorted(bad):
         # No early exit: the message counts the problems it does not show.
         for p in _check_tensor_key(key, [(rank, _tuplify(rec)) for rank, rec in by_key[key]]):
@@ -162,7 +158,8 @@ def raise_problems(problems: Sequence[str], total: Optional[int] = None) -> None
 def _whole_once(entries) -> bool:
     """The commonest key, in a few comparisons: one piece covering the whole global shape
     (offset zero), the same on every rank that holds it (a replicated parameter), exactly one
-    main replica. False means only "not this case" (see :func:`_tiles_along_one_axis`)."""
+    main replica: :func:`_tiles_along_one_axis`'s first try (a quarter of the check's time at
+    50k keys, against its general pieces-and-axis walk)."""
     first = entries[0][1]
     off, extent, shape, dtype = first[1], first[2], first[3], first[4]
     if first[6] or any(off) or list(extent) != list(shape):
@@ -184,6 +181,8 @@ def _tiles_along_one_axis(entries) -> bool:
     parallel). False means only "not this case": :func:`_check_tensor_key` then decides
     (and words any problem). (Plain loops: generator expressions cost more than the checks at
     25k sharded keys.)"""
+    if _whole_once(entries):
+        return True
     first = entries[0][1]
     shape = tuple(first[3])
     pieces = None if first[6] else _pieces(entries, shape, first[4])  # mismatch: general rules

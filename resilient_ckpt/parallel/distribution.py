@@ -218,7 +218,6 @@ def compute_distribution(
     shard_to_ranks: Dict[ShardId, List[int]] = {}
     shard_to_size: Dict[ShardId, int] = {}
     has_main = set()
-    itemsize: Dict[str, int] = {}
     for rank, recs in enumerate(gathered):
         for rec in recs["shards"]:
             key, off, extent, _gshape, dtype, main, _mm = rec
@@ -226,10 +225,7 @@ def compute_distribution(
             holders = shard_to_ranks.get(sid)
             if holders is None:
                 shard_to_ranks[sid] = [rank]
-                size = itemsize.get(dtype)
-                if size is None:
-                    size = itemsize[dtype] = _itemsize(dtype)
-                shard_to_size[sid] = math.prod(extent) * size
+                shard_to_size[sid] = shard_nbytes(extent, dtype)
             elif holders[-1] != rank:
                 holders.append(rank)
             if main:
@@ -248,7 +244,7 @@ def compute_distribution(
 
 def shard_nbytes(extent: Sequence[int], dtype_name: str) -> int:
     """Bytes of a shard record's piece."""
-    return _numel(extent) * _itemsize(dtype_name)
+    return math.prod(extent) * _itemsize(dtype_name)
 
 
 def gather_shard_records(local_shards: Sequence[ShardedTensor], group) -> List[dict]:
@@ -300,10 +296,3 @@ def _itemsize(dtype_name: str) -> int:
             raise ValidationError(f"unknown dtype {dtype_name!r} in shard metadata")
         size = _ITEMSIZE[dtype_name] = dt.itemsize
     return size
-
-
-def _numel(extent) -> int:
-    n = 1
-    for e in extent:
-        n *= e
-    return n
