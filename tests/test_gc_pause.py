@@ -4,6 +4,7 @@ save spent 0.6-1.1 s in the collections that followed its blocks."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -21,7 +22,9 @@ def _collector_on():
     (gc.enable if was else gc.disable)()
 
 
-def test_the_pause_holds_while_any_thread_is_inside():
+@contextlib.contextmanager
+def _paused_elsewhere():
+    """Another thread inside a paused block for the duration."""
     inside, leave = threading.Event(), threading.Event()
 
     def other():
@@ -30,13 +33,41 @@ def test_the_pause_holds_while_any_thread_is_inside():
             leave.wait(10)
 
     t = threading.Thread(target=other)
-    with paused_gc():
-        t.start()
+    t.start()
+    try:
         assert inside.wait(10)
-    # This thread's block ended first: the other's still runs uncollected.
-    assert not gc.isenabled()
-    leave.set()
-    t.join(10)
+        yield
+    finally:
+        leave.set()
+        t.join(10)
+
+
+def _in_child(check) -> bool:
+    """``check()`` in a forked child (which leaves without the parent's cleanup)."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            ok = bool(check())
+        finally:
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got == b"1"
+
+
+def test_the_pause_holds_while_any_thread_is_inside():
+    with contextlib.ExitStack() as elsewhere:
+        with paused_gc():
+            elsewhere.enter_context(_paused_elsewhere())
+        # This thread's block ended first: the other's still runs uncollected.
+        assert not gc.isenabled()
     assert gc.isenabled()
 
 
@@ -79,53 +110,25 @@ def test_objects_frozen_by_the_process_stay_frozen():
 def test_a_child_forked_during_a_pause_collects_again():
     """A fork while another thread is inside a block (a data loader's worker forked during a
     background save): the child has no such thread, so the pause ends there at once."""
-    if not hasattr(os, "fork"):
-        pytest.skip("no fork here")
-    inside, leave = threading.Event(), threading.Event()
-
-    def other():
-        with paused_gc():
-            inside.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=other)
-    t.start()
-    try:
-        assert inside.wait(10)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report, then leave without running the parent's cleanup
-            os.write(w, b"1" if gc.isenabled() else b"0")
-            os._exit(0)
-        os.close(w)
-        got = os.read(r, 1)
-        os.close(r)
-        os.waitpid(pid, 0)
-        assert got == b"1"
+    with _paused_elsewhere():
+        assert _in_child(gc.isenabled)
         assert not gc.isenabled()  # the parent's pause still holds
-    finally:
-        leave.set()
-        t.join(10)
     assert gc.isenabled()
 
 
 def test_a_child_forked_inside_its_own_pause_ends_it_there():
-    if not hasattr(os, "fork"):
-        pytest.skip("no fork here")
-    r, w = os.pipe()
-    with paused_gc():
-        pid = os.fork()
-        if pid == 0:
-            ok = not gc.isenabled()  # still inside this thread's block
-    if pid == 0:
-        ok = ok and gc.isenabled()  # ... which ended normally
+    block = paused_gc()
+    block.__enter__()
+
+    def check():
+        ok = not gc.isenabled()  # still inside this thread's block
+        block.__exit__(None, None, None)  # ... which ends normally
+        ok = ok and gc.isenabled()
         with paused_gc():
             ok = ok and not gc.isenabled()
-        ok = ok and gc.isenabled()
-        os.write(w, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(w)
-    got = os.read(r, 1)
-    os.close(r)
-    os.waitpid(pid, 0)
-    assert got == b"1"
+        return ok and gc.isenabled()
+
+    try:
+        assert _in_child(check)
+    finally:
+        block.__exit__(None, None, None)
