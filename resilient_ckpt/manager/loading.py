@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..gc_pause import paused_gc
 from ..memory.layout import CheckpointId
+from ..model.mapping import owned_shard_id
 from ..model.nested import map_leaves
 from ..model.validation import StrictHandling
 from ..parallel import collectives
@@ -382,7 +383,10 @@ class LoadPath:
         extra: Dict[Any, torch.Tensor] = {}
         for owner, (hdr, views) in retrieved.serving.items():
             replica = retrieved.decoded.get(owner) or self._hollow(hdr.meta)
-            extra.update((st.shard_id, v) for st, v in zip(replica.tensor_metadata, views))
+            for st, v in zip(replica.tensor_metadata, views):
+                extra[st.shard_id] = v
+                if st.rank_local:  # the owner's own copy: what it gets back, not this rank's
+                    extra[owned_shard_id(st.shard_id, owner)] = v
         extra.update(retrieved.node_shards)
         return extra
 

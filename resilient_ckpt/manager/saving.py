@@ -109,7 +109,7 @@ class _SnapshotCache:
 
     encoding: HollowEncoding
     objects: List[tuple]  # the ShardedObjects' records (keys, offsets: validated with the rest)
-    saved: Tuple[bool, ...]
+    saved: Tuple[int, ...]  # the stored mask (``stored_mask``: 2 for a rank-local shard)
     layouts: List[TensorLayout]
     total: int
     plan: RunPlan  # the dense runs, whose views the prefetcher makes ahead in the next segment
@@ -346,7 +346,7 @@ class SavePath:
             meta = enc.meta
             objects = [object_record(o) for o in parts.objects]
             self._structure.snapshot = _SnapshotCache(
-                enc, objects, tasd.saved_mask, layouts, total, RunPlan(runs, layouts)
+                enc, objects, tasd.stored_mask, layouts, total, RunPlan(runs, layouts)
             )
         else:
             popped = tasd.pop_tensors()

@@ -23,6 +23,23 @@ ShardId = Tuple[str, Tuple[int, ...]]
 ObjectId = Tuple[str, Tuple[int, ...], Tuple[int, ...]]
 
 
+#: separates a rank-local shard's key from its owner in :func:`owned_shard_id`
+_OWNER_SEP = "\x00owner="
+
+
+def owned_shard_id(shard_id: ShardId, owner: int) -> ShardId:
+    """The id a load exchange gives rank ``owner``'s copy of a rank-local shard: every rank
+    saves its own under the same shard id, and a restore must give each its own (a lost
+    rank's from the replica of its checkpoint, not from the serving rank's own copy)."""
+    return (f"{shard_id[0]}{_OWNER_SEP}{owner}", shard_id[1])
+
+
+def plain_shard_id(shard_id: ShardId) -> ShardId:
+    """The shard id an :func:`owned_shard_id` stands for (itself if it is a plain one)."""
+    key = shard_id[0]
+    return (key.split(_OWNER_SEP, 1)[0], shard_id[1]) if _OWNER_SEP in key else shard_id
+
+
 def is_main_replica(replica_id: ReplicaId) -> bool:
     """``0`` or a tuple of zeros marks the main replica."""
     if isinstance(replica_id, int):
@@ -57,6 +74,12 @@ class ShardedTensor:
     Args mirror Megatron-core: ``global_offset`` counts elements of the global tensor,
     ``prepend_axis_num`` leading global axes have local extent 1 and no local axis,
     ``axis_fragmentations`` is the regular grid (or None for an irregular one).
+
+    ``rank_local`` (our extension): each rank's value is its own although the shard is
+    replicated by name — BatchNorm statistics under data parallelism, which every rank updates
+    from its own batch. Every holder saves its copy and gets it back on restore (a replaced
+    rank from its replica); integrity, the main replica and what a persistent flush or a
+    restore on another layout reads are as for any replica.
     """
 
     key: str
@@ -69,6 +92,7 @@ class ShardedTensor:
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
+    rank_local: bool = False
 
     def __post_init__(self):
         self.local_shape = tuple(int(s) for s in self.local_shape)

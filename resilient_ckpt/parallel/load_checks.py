@@ -13,14 +13,14 @@ when every rank's template has its own checkpoint's structure, one all-reduce in
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ValidationError
-from ..model.mapping import ShardedObject, ShardedTensor, dtype_name
+from ..model.mapping import ShardedObject, ShardedTensor, ShardId, dtype_name, owned_shard_id, plain_shard_id
 from ..model.validation import (
     StrictHandling,
     apply_strictness,
@@ -82,14 +82,19 @@ def raise_first_error(gathered: Sequence[dict], local_exc: Optional[BaseExceptio
 
 
 def load_facts(
-    template_shards, template_objects, held, held_objects, ckpt_keys, validate, need_all=False
+    template_shards, template_objects, held, held_objects, ckpt_keys, validate, need_all=False, needs=None
 ) -> dict:
     """What one rank contributes to a load's gathered verdict: the shards it holds
     (``(shard id, dtype name, shape)``), the template shards it needs from others (``need_all``:
-    every template shard and object, so each is checked against what was saved), its
-    objects, the checkpoint keys it knows, the keys it requests, and (``validate``) the
-    template's records for the integrity check."""
+    every template shard and object, so each is checked against what was saved; ``needs``:
+    the shards it lacks, when the caller listed them), its objects, the checkpoint keys it
+    knows, the keys it requests, and (``validate``) the template's records for the integrity
+    check."""
     held_ids = set() if need_all else {sid for sid, _, _ in held}
+    if need_all or needs is None:
+        need_shards = [st for st in template_shards if st.shard_id not in held_ids]
+    else:
+        need_shards = needs
     held_oids = set() if need_all else {o.object_id for o in held_objects}
     facts = dict(
         held=[[sid[0], list(sid[1]), dtype, list(shape)] for sid, dtype, shape in held],
@@ -101,8 +106,7 @@ def load_facts(
                 list(st.local_shape),
                 st.allow_shape_mismatch,
             ]
-            for st in template_shards
-            if st.shard_id not in held_ids
+            for st in need_shards
         ],
         need_obj=[
             [o.key, list(o.global_offset), list(o.global_shape)]
@@ -289,7 +293,7 @@ def raise_absent(absent_shards, members, ckpt_keys) -> None:
     """Shards of keys the checkpoint has (``ckpt_keys``; None: every key), but at offsets
     nobody saved: a sharding mismatch, never silently skipped."""
     for r, sids in sorted(absent_shards.items()):
-        bad = [s for s in sids if ckpt_keys is None or s[0] in ckpt_keys]
+        bad = [s for s in sids if ckpt_keys is None or plain_shard_id(s)[0] in ckpt_keys]
         if bad:
             raise absent_error(members[r]["rank"], bad[0])
 
@@ -341,9 +345,23 @@ class LoadRequest:
     #: indexes into ``template_shards`` of the shards this rank does not hold (found with the
     #: local checks, in the same pass)
     lacking: List[int] = field(default_factory=list)
+    #: shard ids the rank's checkpoint holds as its own copy of a rank-local shard (its owner:
+    #: ``rank``): asked for in the exchange as ``owned_shard_id(sid, rank)``
+    rank_local: FrozenSet[ShardId] = frozenset()
+    rank: int = 0
 
     def lacking_shards(self) -> List[ShardedTensor]:
-        return [self.template_shards[i] for i in self.lacking]
+        """The template shards this rank needs from others, as the exchange names them (a
+        rank-local one as this rank's own copy: ``owned_shard_id``)."""
+        out = [self.template_shards[i] for i in self.lacking]
+        if self.rank_local:
+            out = [
+                replace(st, key=owned_shard_id(st.shard_id, self.rank)[0])
+                if st.shard_id in self.rank_local
+                else st
+                for st in out
+            ]
+        return out
 
     def facts(self, validate: bool) -> dict:
         held = [(sid, dtype_name(t.dtype), tuple(t.shape)) for sid, t in self.held.items()]
@@ -354,6 +372,7 @@ class LoadRequest:
             self.held_objects.values(),
             self.ckpt_keys,
             validate,
+            needs=self.lacking_shards(),
         )
 
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ValidationError
 from ..model import codec
-from ..model.mapping import ShardedObject, ShardedTensor, dtype_name
+from ..model.mapping import ShardedObject, ShardId, dtype_name, owned_shard_id
 from ..model.nested import fill_holes, map_leaves, merge
 from ..model.validation import StrictHandling, parse_strict_flag
 from . import collectives
@@ -53,6 +53,10 @@ class HeldCheckpoint:
     objects: Dict[Any, ShardedObject]  # object id -> ShardedObject
     keys: Set[str]  # every key the checkpoint has (tensors and objects)
     device: torch.device  # where its tensors are (received shards land there too)
+    #: shard ids this rank's checkpoint holds as its own copy of a rank-local shard: the
+    #: exchange looks them up as ``owned_shard_id(sid, rank)`` (its own copy, wherever it is)
+    rank_local: FrozenSet[ShardId] = frozenset()
+    rank: int = 0  # the checkpoint's owner (world rank)
 
 
 ALGOS = ("atomic", "fully_parallel")
@@ -109,6 +113,7 @@ def load_into(
         loaded.update(
             execute_exchange(plan, req.held, allocator(targets, ckpt.device), group, req.exchange_algo)
         )
+    _own_copies(loaded, req)
     merge(result, fill_template(req, loaded, targets, objects, unexpected))
     result = fill_holes(result)
     if req.strict == StrictHandling.IGNORE_ALL:
@@ -139,6 +144,7 @@ def _fill_same_structure(ckpt: HeldCheckpoint, template, opts: LoadOptions, grou
     loaded = dict(req.held)
     if plan.transfers:
         loaded.update(execute_exchange(plan, req.held, allocator(targets, ckpt.device), group, exchange_algo))
+    _own_copies(loaded, req)
     result = map_leaves(lambda v: v, ckpt.common)
     merge(result, req.nonpersistent)
     merge(result, fill_template(req, loaded, targets, {}, set()))
@@ -243,19 +249,23 @@ def _prepare_load(ckpt: HeldCheckpoint, template, opts: LoadOptions) -> LoadRequ
         strict,
         prepared.targets() if opts.load_into_template else {},
         prepared.structure[0] if prepared.structure is not None else None,
+        rank_local=ckpt.rank_local,
+        rank=ckpt.rank,
     )
-    req.lacking = _check_local_shapes(req.template_shards, req.held, req.targets)
+    req.lacking = _check_local_shapes(req)
     return req
 
 
-def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict, targets: Mapping) -> List[int]:
+def _check_local_shapes(req: LoadRequest) -> List[int]:
     """Raise if a held tensor has another dtype or shape than its template shard asks for. A
     held tensor that *is* the shard's target was read into it in place: ``shard_targets``
-    checked it already. Returns the indexes of the shards not held (the same pass)."""
+    checked it already. Returns the indexes of the shards not held (the same pass); a
+    rank-local shard counts as held only as this rank's own copy."""
     lacking: List[int] = []
-    for i, st in enumerate(template_shards):
+    held, targets, rank_local = req.held, req.targets, req.rank_local
+    for i, st in enumerate(req.template_shards):
         sid = st.shard_id
-        t = held.get(sid)
+        t = held.get(owned_shard_id(sid, req.rank) if sid in rank_local else sid)
         if t is None:
             lacking.append(i)
             continue
@@ -273,6 +283,15 @@ def _check_local_shapes(template_shards: Sequence[ShardedTensor], held: Dict, ta
                 "allow_shape_mismatch=True to accept the stored shape)"
             )
     return lacking
+
+
+def _own_copies(loaded: Dict[Any, torch.Tensor], req: LoadRequest) -> None:
+    """The rank-local shards this rank received (or held) as its own copy, under their plain
+    ids for the fill (a plain id held may be another rank's copy)."""
+    for sid in req.rank_local:
+        t = loaded.get(owned_shard_id(sid, req.rank))
+        if t is not None:
+            loaded[sid] = t
 
 
 def _exchange_objects(members, held_objects, group, n: int, me: int, ckpt_keys) -> Dict[Tuple, Any]:

@@ -31,7 +31,7 @@ from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwar
 from ..bits import bits, copy_bits
 from ..errors import HollowStateError, ValidationError
 from ..model import codec, shard_table
-from ..model.mapping import ShardedObject, ShardedTensor, dtype_name
+from ..model.mapping import ShardedObject, ShardedTensor, dtype_name, owned_shard_id
 from ..model.mapping import adapt as _adapt_leaf
 from ..model.nested import map_leaves
 from ..model.validation import (
@@ -67,8 +67,10 @@ def _check_not_meta(shards: Sequence[ShardedTensor]) -> None:
 
 
 def _drop_unsaved(shards: Sequence[ShardedTensor], distribution: ShardDistribution, me: int) -> None:
+    """Keep the shards this rank saves: those the distribution gave it, and its rank-local ones
+    (every holder saves its own copy: deduplicating them would restore one rank's value on all)."""
     for sh in shards:
-        if distribution.main_rank_for_shard[sh.shard_id] != me:
+        if not sh.rank_local and distribution.main_rank_for_shard[sh.shard_id] != me:
             sh.data = None
 
 
@@ -429,7 +431,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         skeleton_bytes = codec.encode(skeleton)
         table_bytes = shard_table.encode_rows(rows)
         meta = encode_hollow(
-            self.common, skeleton_bytes, table_bytes, objects, self._saved, devices, allow_pickle
+            self.common, skeleton_bytes, table_bytes, objects, self.stored_mask, devices, allow_pickle
         )
         return HollowEncoding(meta, skeleton, rows, skeleton_bytes, table_bytes)
 
@@ -437,6 +439,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def saved_mask(self) -> Tuple[bool, ...]:
         """Per ShardedTensor of the sharded tree (nested order): does this rank save it."""
         return self._saved
+
+    @property
+    def stored_mask(self) -> Tuple[int, ...]:
+        """:attr:`saved_mask` as the hollow bytes store it: 0 not saved, 1 saved, 2 saved as
+        this rank's own copy of a rank-local shard (read back as saved by any reader)."""
+        return tuple(
+            (2 if st.rank_local else 1) if s else 0 for st, s in zip(self._all_sharded_tensors(), self._saved)
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes, allow_pickle: bool = False) -> "MCoreTensorAwareStateDict":
@@ -461,6 +471,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 _devices=list(d["devices"]),
                 _decoded_structure=structure,
             )
+            for st, s in zip(inst._all_sharded_tensors(), d["saved"]):
+                if s == 2:
+                    st.rank_local = True
         except (KeyError, TypeError, IndexError, AttributeError) as e:
             raise ValidationError(f"hollow state dict bytes lack field {e} or hold it damaged") from e
         return inst
@@ -543,10 +556,17 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     def held(self, extra: Optional[Dict[Any, torch.Tensor]] = None) -> HeldCheckpoint:
         """What this checkpoint gives a load: its common state, the shards it holds by shard id
         (and ``extra`` ones, e.g. a lost rank's replica this rank serves), its objects, keys."""
-        held = {st.shard_id: st.data for st in self._saved_sharded_tensors()}
+        me = collectives.world_rank()
+        held = {}
+        for st in self._saved_sharded_tensors():
+            held[st.shard_id] = st.data
+            if st.rank_local:  # this rank's own copy, as the exchange asks for it
+                held[owned_shard_id(st.shard_id, me)] = st.data
         for sid, t in (extra or {}).items():
             held.setdefault(sid, t)
         objects = {o.object_id: o for o in sharded_objects(self.sharded_state_dict)}
-        keys = {st.key for st in self._all_sharded_tensors()} | {o.key for o in objects.values()}
+        sts = self._all_sharded_tensors()
+        keys = {st.key for st in sts} | {o.key for o in objects.values()}
         device = next((st.data.device for st in self._saved_sharded_tensors()), torch.device("cpu"))
-        return HeldCheckpoint(self.common, held, objects, keys, device)
+        own = frozenset(st.shard_id for st in sts if st.rank_local)
+        return HeldCheckpoint(self.common, held, objects, keys, device, own, me)
