@@ -230,6 +230,8 @@ class CheckpointHook:
         self.restored_state = state
         m = self.manager.last_load_metrics
         self.restored_from = m.as_dict() if m is not None else {"iteration": iteration}
+        buckets = self.state.ddp_buckets if self.state is not None else None
+        log_resume(logger, session, iteration, m, buckets)
         return iteration + 1
 
     def _fallback(self) -> int:
@@ -244,3 +246,22 @@ class CheckpointHook:
             if self._hook_handle is not None:
                 self._hook_handle.remove()
                 self._hook_handle = None
+
+
+def resume_message(session: str, iteration: int, metrics: Any = None, buckets: Any = None) -> str:
+    """The line every entry point logs after a local resume: where from, and what became of
+    DDP's gradient buckets (``model.ddp_buckets``) when the model is DDP-wrapped."""
+    source = getattr(metrics, "source", "") or "local"
+    took = getattr(metrics, "total_s", 0.0)
+    where = {"local": "this node's memory", "peer": "a peer node's replica"}.get(source, source)
+    line = f"Resumed session {session!r} from the local checkpoint of step {iteration} ({where}"
+    line += f", {took:.2f} s)" if took else ")"
+    return line if buckets is None else f"{line}; {buckets}"
+
+
+def log_resume(
+    log: logging.Logger, session: str, iteration: int, metrics: Any = None, buckets: Any = None
+) -> None:
+    """:func:`resume_message` at WARNING: shown at every framework's default verbosity (a resume
+    after a failure is worth a line; frameworks leave INFO off by default)."""
+    log.warning("%s", resume_message(session, iteration, metrics, buckets))

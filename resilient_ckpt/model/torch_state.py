@@ -3,8 +3,15 @@
 ``TrainState(model, optimizer, lr_scheduler, extra)`` builds the sharded state dict the
 manager saves and applies a restored one back, so a user never sees a ShardedTensor:
 
-- plain tensors (DDP: identical on every data-parallel rank) become replicated shards with
+- plain parameters (DDP: identical on every data-parallel rank) become replicated shards with
   ``replica_id = dp rank``; the fully-parallel distribution then saves each once;
+- buffers are each rank's own (BatchNorm statistics come from the rank's batch; DDP copies
+  rank 0's over the others only at the next forward, never with ``broadcast_buffers=False``):
+  rank-local shards, saved by every rank and restored to it. They are copied when the state
+  dict is made (small; on CUDA on the current stream): the next forward writes them in place
+  while the save's copies may still be reading;
+- DDP's rebuilt gradient buckets (:mod:`.ddp_buckets`) are kept per rank and given to the
+  restarted job's DDP module, so its first step adds gradients in the same order;
 - DTensors (FSDP2 and friends) become shards at the offsets their placements give;
   replicated mesh dimensions become the replica id;
 - optimizer state is keyed by parameter *name* (stable across restarts, unlike torch's
@@ -29,6 +36,7 @@ import torch.distributed as dist
 
 from ..bits import copy_bits
 from ..errors import ValidationError
+from .ddp_buckets import BucketOutcome, apply_bucket_layout, bucket_layout, find_ddp
 from .mapping import ShardedObject, ShardedTensor
 
 
@@ -53,8 +61,9 @@ def is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def to_sharded_tensor(key: str, t: torch.Tensor, dp_rank: int = 0) -> ShardedTensor:
-    """A ShardedTensor for a plain tensor (replicated over data parallel) or a DTensor."""
+def to_sharded_tensor(key: str, t: torch.Tensor, dp_rank: int = 0, rank_local: bool = False) -> ShardedTensor:
+    """A ShardedTensor for a plain tensor (replicated over data parallel; ``rank_local``: each
+    rank's value its own, see ``ShardedTensor``) or a DTensor."""
     t = t.detach()
     if is_dtensor(t):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -79,7 +88,46 @@ def to_sharded_tensor(key: str, t: torch.Tensor, dp_rank: int = 0) -> ShardedTen
             None,  # FSDP2 chunks may be uneven: describe the grid by offsets only
             replica or 0,
         )
-    return ShardedTensor.from_rank_offsets(key, t, replica_id=dp_rank)
+    return ShardedTensor.from_rank_offsets(key, t, replica_id=dp_rank, rank_local=rank_local)
+
+
+def buffer_names(module: torch.nn.Module) -> set:
+    """The names ``module.state_dict()`` gives its buffers (tied and shared ones under every name)."""
+    return {name for name, _ in module.named_buffers(remove_duplicate=False)}
+
+
+class BufferSnapshots:
+    """Copies of a module's buffers made when a save's state dict is made, kept from one save to
+    the next (the same tensors: refilled, not reallocated). The next forward may write buffers in
+    place (BatchNorm statistics, DDP's broadcast of rank 0's) while the save's copies still read
+    them; its copies read these instead. Refilling happens after the previous save was fenced
+    (before the optimizer step), so its copies are done with them."""
+
+    def __init__(self):
+        self._copies: Dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        copy = self._copies.get(name)
+        if copy is None or copy.shape != t.shape or copy.dtype != t.dtype or copy.device != t.device:
+            copy = self._copies[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+        return copy_bits(copy, t)
+
+
+def model_sharded(
+    state: Dict[str, Any], prefix: str, dp_rank: int, buffers: set, snapshots: BufferSnapshots
+) -> Dict[str, Any]:
+    """A model's ``state_dict()`` as ShardedTensors keyed ``{prefix}.{name}``: parameters as
+    data-parallel replicas, buffers (``buffers``: their names) rank-local, from ``snapshots``."""
+    out: Dict[str, Any] = {}
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            out[name] = t
+        elif name in buffers and not is_dtensor(t):
+            out[name] = to_sharded_tensor(f"{prefix}.{name}", snapshots(name, t), dp_rank, rank_local=True)
+        else:
+            out[name] = to_sharded_tensor(f"{prefix}.{name}", t, dp_rank)
+    return out
 
 
 class TrainState:
@@ -93,6 +141,11 @@ class TrainState:
             values, tensors, numpy arrays; restored into the same dict object.
         dp_group: the data-parallel group plain tensors are replicated over (default world).
         rng: save and restore torch/CUDA/numpy/python RNG states (per rank).
+        stateful: per-rank objects with ``state_dict()`` / ``load_state_dict()`` (an AMP
+            ``GradScaler``, a sampler), saved by name; their state dicts hold plain values.
+
+    After a restore, ``ddp_buckets`` says what became of DDP's gradient buckets (None: the
+    model is not DDP-wrapped).
     """
 
     def __init__(
@@ -103,6 +156,7 @@ class TrainState:
         extra: Optional[Dict[str, Any]] = None,
         dp_group: Optional[dist.ProcessGroup] = None,
         rng: bool = True,
+        stateful: Optional[Dict[str, Any]] = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -110,6 +164,17 @@ class TrainState:
         self.extra = extra if extra is not None else {}
         self.dp_group = dp_group
         self.rng = rng
+        self.stateful = dict(stateful or {})
+        self.ddp_buckets: Optional[BucketOutcome] = None
+        self._buffers = BufferSnapshots()
+        for name, obj in self.stateful.items():
+            if not (
+                callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+            ):
+                raise ValidationError(
+                    f"stateful[{name!r}] is a {type(obj).__name__}, which has no state_dict()/load_state_dict(); "
+                    "pass objects such as torch.amp.GradScaler, or put plain values in extra="
+                )
 
     # ---- names ---------------------------------------------------------------------------------
 
@@ -136,20 +201,23 @@ class TrainState:
         dp_rank, _ = _dp_rank_and_size(self.dp_group)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
+        model = self.model.state_dict()
+        model = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
         out: Dict[str, Any] = {
-            "model": {
-                name: to_sharded_tensor(f"model.{name}", t, dp_rank)
-                for name, t in self.model.state_dict().items()
-                if isinstance(t, torch.Tensor)
-            }
+            "model": model_sharded(model, "model", dp_rank, buffer_names(self.model), self._buffers)
         }
         if self.optimizer is not None:
             out["optimizer"] = self._optimizer_sharded(dp_rank)
         if self.lr_scheduler is not None:
             out["lr_scheduler"] = self.lr_scheduler.state_dict()
         per_rank: Dict[str, Any] = {"extra": dict(self.extra)}
+        if self.stateful:
+            per_rank["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         if self.rng:
             per_rank["rng"] = capture_rng_state()
+        ddp = find_ddp(self.model)
+        if ddp is not None:
+            per_rank["ddp_buckets"] = bucket_layout(ddp)
         out["per_rank"] = ShardedObject("per_rank", per_rank, (world,), (rank,))
         return out
 
@@ -194,8 +262,18 @@ class TrainState:
         if "extra" in per_rank:  # a checkpoint without it leaves the caller's dict alone
             self.extra.clear()
             self.extra.update(per_rank["extra"])
+        saved = per_rank.get("stateful") or {}
+        for name, obj in self.stateful.items():
+            if name not in saved:
+                raise ValidationError(
+                    f"the checkpoint holds no state for stateful[{name!r}]; was it saved with it?"
+                )
+            obj.load_state_dict(saved[name])
         if self.rng and "rng" in per_rank:
             restore_rng_state(per_rank["rng"])
+        ddp = find_ddp(self.model)
+        if ddp is not None:  # collective over the DDP module's group, like the restore itself
+            self.ddp_buckets = apply_bucket_layout(ddp, per_rank.get("ddp_buckets"))
 
     def _load_model(self, loaded: Dict[str, torch.Tensor]) -> None:
         targets = self.model.state_dict(keep_vars=True)
