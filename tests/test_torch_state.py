@@ -101,8 +101,14 @@ def _seed_rank(seed: int, rank: int) -> None:
 
 
 def _unique_tensor_bytes(state) -> int:
-    """Bytes of the global model + optimizer tensors, each counted once."""
-    n = sum(t.numel() * t.element_size() for t in state.model.state_dict().values())
+    """Bytes the job saves: the global parameters and optimizer tensors each once, and every
+    rank's buffers (each rank's own: BatchNorm statistics differ between data-parallel ranks)."""
+    buffers = {name for name, _ in state.model.named_buffers()}
+    world = dist.get_world_size()
+    n = sum(
+        t.numel() * t.element_size() * (world if name in buffers else 1)
+        for name, t in state.model.state_dict().items()
+    )
     for values in state.optimizer.state_dict()["state"].values():
         n += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))
     return n
@@ -339,7 +345,8 @@ def test_dtensor_state_round_trips_bit_exactly(tmp_root, world, mesh_shape, plac
     assert [o[1] for o in out] == local_rows, "the test's sharding is what it claims"
     for rank, (diffs, *_rest) in enumerate(out):
         assert diffs == [], f"rank {rank}: {diffs}"
-    # Shards are saved once; the replicated mesh dimension and plain tensors are deduplicated.
+    # Shards are saved once; the replicated mesh dimension and plain parameters are deduplicated
+    # (the buffer is each rank's own: saved by every rank, see _unique_tensor_bytes).
     assert sum(o[2] for o in out) == out[0][3]
 
 
