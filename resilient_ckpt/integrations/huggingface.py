@@ -24,12 +24,14 @@ path given) and returns what ``train(resume_from_checkpoint=...)`` should take, 
 
 Saving: every ``every_n_steps`` optimizer steps (``on_step_end``, iteration =
 ``state.global_step``) through ``CheckpointHook`` over a ``TrainState`` of the trainer's model,
-optimizer and scheduler: model and optimizer tensors as data-parallel replicas (saved once across
-the job), scheduler state, the ``TrainerState`` and the AMP scaler as per-rank state with this
-rank's RNG states. A save returns once its copies started; the optimizer step waits for them
-(the hook's pre-step fence on the optimizer), and a model with buffers is fenced at the next step
-begin (forward may write buffers). A failed save is a warning and ``failed_saves``, training goes
-on (``raise_on_failure=True`` to stop).
+optimizer and scheduler: parameters and optimizer tensors as data-parallel replicas (saved once
+across the job), buffers as each rank's own (copied when the save starts: the next forward
+writes them), scheduler state, the ``TrainerState``, the AMP scaler and DDP's gradient bucket
+layout as per-rank state with this rank's RNG states. A save returns once its copies started;
+the optimizer step waits for them (the hook's pre-step fence on the optimizer). A failed save is
+a warning and ``failed_saves``, training goes on (``raise_on_failure=True`` to stop). A resume
+gives DDP its buckets back before the first step (``model.ddp_buckets``; the Trainer's default
+``ddp_find_unused_parameters`` never rebuilds them) and says where it resumed from, at WARNING.
 
 Accelerate: the ``Trainer`` runs on Accelerate, so this covers Accelerate-prepared DDP under the
 Trainer. A hand-written Accelerate loop has no callbacks: use ``CheckpointHook`` with a
@@ -60,7 +62,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..errors import CheckpointingException, ValidationError
 from ..manager.checkpoint_manager import CheckpointManager
-from ..manager.hooks import CheckpointHook
+from ..manager.hooks import CheckpointHook, log_resume
+from ..model.ddp_buckets import apply_bucket_layout, find_ddp
 from ..model.torch_state import TrainState, restore_rng_state
 from .world import check_world
 
@@ -103,7 +106,6 @@ class LocalCheckpointCallback(TrainerCallback):
         self._hook: Optional[CheckpointHook] = None
         self._train_state: Optional[TrainState] = None
         self._extra: Dict[str, Any] = {}
-        self._fence_at_step_begin = False
         self._trainer = None
         self._restored: Optional[Dict[str, Any]] = None  # the local checkpoint, until applied
         self._resume_dir: Optional[str] = None
@@ -129,7 +131,8 @@ class LocalCheckpointCallback(TrainerCallback):
             shutil.rmtree(self._resume_dir, ignore_errors=True)
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
         self._extra = {}
-        self._train_state = TrainState(model, inner, lr_scheduler, extra=self._extra)
+        ddp = find_ddp(getattr(self._trainer, "model_wrapped", None))  # set by resume_checkpoint
+        self._train_state = TrainState(model, inner, lr_scheduler, extra=self._extra, ddp=ddp)
         if self._hook is not None:
             self._hook.close()
         # the hook's optimizer pre-step hook fences the latest save before the update; this
@@ -137,11 +140,13 @@ class LocalCheckpointCallback(TrainerCallback):
         self._hook = CheckpointHook(
             self.manager, every_n_steps=1, state=self._train_state, raise_on_failure=self.raise_on_failure
         )
-        self._fence_at_step_begin = any(True for _ in model.buffers())
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self._fence_at_step_begin and self._hook is not None:
-            self._hook.fence()
+        if self._restored is not None:  # resuming from the local checkpoint: before the first step
+            buckets = None
+            if ddp is not None:
+                buckets = apply_bucket_layout(ddp, self._restored["per_rank"].get("ddp_buckets"))
+                self._train_state.ddp_buckets = buckets
+            it = self.restored_from["iteration"]
+            log_resume(logger, self.manager.session_id, it, self.manager.last_load_metrics, buckets)
 
     def on_step_end(self, args, state, control, **kwargs):
         hook = self._hook

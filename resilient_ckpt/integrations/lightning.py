@@ -37,17 +37,20 @@ What Lightning sees:
 Ordering (our manager): a save returns once its copies have *started*; the callback fences it
 (``SaveHandle.fence``, as ``CheckpointHook`` does before ``optimizer.step()``) in
 ``on_before_optimizer_step`` — after the next step's forward and backward, before the update —
-so the copy overlaps them. A module with buffers is fenced at the next batch start instead
-(forward may write buffers: BatchNorm statistics, DDP's buffer broadcast). ``async_save=False``
-(upstream's default) returns once the save is complete on every rank.
+so the copy overlaps them. Buffers, which the next forward writes in place (BatchNorm
+statistics, DDP's buffer broadcast), are copied when the save starts (they are small).
+``async_save=False`` (upstream's default) returns once the save is complete on every rank.
 
 What a local checkpoint holds: Lightning's checkpoint dict as ``trainer.save_checkpoint`` dumps
-it. Model (``state_dict``) and optimizer (``optimizer_states``) tensors are data-parallel
-replicas, saved once across the job and spread over the ranks (DTensors: shards at their
-placements); everything else (loops, callbacks, schedulers, hyper-parameters, datamodule
-state) plus this rank's RNG states is a per-rank object. Lightning's own checkpoints carry no
-RNG state; a local one does, and the callback restores it before the first batch after the
-resume, so dropout draws continue as if the job had not stopped.
+it. Model parameters (``state_dict``) and optimizer (``optimizer_states``) tensors are
+data-parallel replicas, saved once across the job and spread over the ranks (DTensors: shards at
+their placements); the module's buffers are each rank's own (rank-local: saved by every rank,
+restored to it); everything else (loops, callbacks, schedulers, hyper-parameters, datamodule
+state) plus this rank's RNG states and DDP's gradient bucket layout is a per-rank object.
+Lightning's own checkpoints carry no RNG state; a local one does, and the callback restores it
+before the first batch after the resume, so dropout draws continue as if the job had not
+stopped; DDP's buckets are given back before the first step (``model.ddp_buckets``), so its
+first all-reduce adds gradients in the same order as an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -83,10 +86,18 @@ else:
 
 from ..errors import CheckpointingException, ValidationError
 from ..manager.checkpoint_manager import CheckpointManager
-from ..manager.hooks import CheckpointHook
+from ..manager.hooks import CheckpointHook, log_resume
 from ..model import codec
+from ..model.ddp_buckets import apply_bucket_layout, bucket_layout, find_ddp
 from ..model.mapping import ShardedObject
-from ..model.torch_state import capture_rng_state, restore_rng_state, to_sharded_tensor
+from ..model.torch_state import (
+    BufferSnapshots,
+    buffer_names,
+    capture_rng_state,
+    model_sharded,
+    restore_rng_state,
+    to_sharded_tensor,
+)
 from .world import check_world
 
 logger = logging.getLogger(__name__)
@@ -133,7 +144,7 @@ class LocalCheckpointCallback(pl.callbacks.ModelCheckpoint):
     ):
         super().__init__(every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval)
         self._rng_to_restore: Optional[Dict[str, Any]] = None
-        self._fence_at_batch_start = False
+        self._resumed: Optional[Dict[str, Any]] = None  # the restore's facts, until the first step
         #: facts of the local checkpoint this run resumed from (iteration, source), else None
         self.restored_from: Optional[Dict[str, Any]] = None
 
@@ -179,14 +190,23 @@ class LocalCheckpointCallback(pl.callbacks.ModelCheckpoint):
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        # forward may write buffers (BatchNorm statistics, DDP's buffer broadcast)
-        self._fence_at_batch_start = any(True for _ in pl_module.buffers())
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, HierarchicalCheckpointIO):
+            io.rank_local = buffer_names(pl_module)  # the module's buffers: each rank's own
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        ddp = find_ddp(trainer.strategy.model)
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, HierarchicalCheckpointIO):
+            io.ddp = ddp  # whose bucket layout each local save keeps
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None:  # before the first step: DDP's buckets as the run had them
+            buckets = apply_bucket_layout(ddp, resumed.get("ddp_buckets")) if ddp is not None else None
+            log_resume(logger, resumed["session"], resumed["iteration"], resumed.get("metrics"), buckets)
 
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ):
-        if self._fence_at_batch_start:
-            _fence(trainer)
         if self._rng_to_restore is not None:
             # Right before the first step after the resume: the draws of data loading's setup
             # (an iterator's base seed) in between are those of a fresh start, not of the run.
@@ -210,7 +230,10 @@ class LocalCheckpointCallback(pl.callbacks.ModelCheckpoint):
         facts = checkpoint.get(LOCAL_RESTORE_KEY)
         if facts is not None:
             self._rng_to_restore = facts.get("rng")
-            self.restored_from = {k: v for k, v in facts.items() if k != "rng"}
+            self._resumed = facts
+            # that step is saved: with gradient accumulation its other batches end at it again
+            self._last_global_step_saved = facts["iteration"]
+            self.restored_from = {k: facts[k] for k in ("iteration", "source")}
 
     def _find_last_checkpoints(self, trainer: "pl.Trainer") -> Set[str]:
         """For ``ckpt_path="last"``: the local checkpoint's entry when it is to be loaded (its
@@ -321,6 +344,11 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
                 f"{type(local_ckpt_manager).__name__}"
             )
         self._markers: Dict[str, Optional[str]] = {}
+        #: names of the module's buffers in Lightning's ``state_dict`` (set by the callback)
+        self.rank_local: Set[str] = set()
+        #: the DDP module whose bucket layout each save keeps (set by the callback)
+        self.ddp: Optional[torch.nn.Module] = None
+        self._buffers = BufferSnapshots()
 
     @property
     def local_ckpt_manager(self) -> Any:
@@ -464,9 +492,14 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
         per_rank = state.get("per_rank") if isinstance(state, dict) else None
         checkpoint = self.from_tensor_aware_state_dict(state, **kwargs)
         m = self.local_ckpt_manager.last_load_metrics
-        facts: Dict[str, Any] = {"iteration": iteration, "source": getattr(m, "source", "local")}
-        if isinstance(per_rank, dict) and "rng" in per_rank:
-            facts["rng"] = per_rank["rng"]
+        facts: Dict[str, Any] = {
+            "iteration": iteration,
+            "source": getattr(m, "source", "local"),
+            "session": self.local_ckpt_manager.session_id,
+            "metrics": m,
+        }
+        if isinstance(per_rank, dict):
+            facts.update((k, per_rank[k]) for k in ("rng", "ddp_buckets") if k in per_rank)
         checkpoint[LOCAL_RESTORE_KEY] = facts
         return checkpoint
 
@@ -501,7 +534,7 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
                 "implement to_tensor_aware_state_dict/from_tensor_aware_state_dict in a subclass "
                 "(as nvidia-resiliency-ext requires), or pass a resilient_ckpt CheckpointManager"
             )
-        return lightning_to_sharded(checkpoint)
+        return lightning_to_sharded(checkpoint, self.rank_local, self._buffers, self.ddp)
 
     def from_tensor_aware_state_dict(self, tensor_aware_checkpoint: Any, **kwargs: Any) -> Dict[str, Any]:
         """Lightning's checkpoint dict from what ``load_local`` restored."""
@@ -546,23 +579,30 @@ def _dp_rank_world() -> Tuple[int, int]:
     return 0, 1
 
 
-def lightning_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-    """Lightning's checkpoint dict as a sharded state dict (see the module docstring)."""
+def lightning_to_sharded(
+    checkpoint: Dict[str, Any],
+    rank_local: Set[str] = frozenset(),
+    snapshots: Optional[BufferSnapshots] = None,
+    ddp: Optional[torch.nn.Module] = None,
+) -> Dict[str, Any]:
+    """Lightning's checkpoint dict as a sharded state dict (see the module docstring):
+    ``rank_local`` names the module's buffers (copied into ``snapshots``), ``ddp`` the DDP
+    module whose bucket layout is kept."""
     rank, world = _dp_rank_world()
     out: Dict[str, Any] = {}
     model = checkpoint.get("state_dict")
     if model is not None:
-        out["state_dict"] = {
-            k: to_sharded_tensor(f"state_dict.{k}", v, rank) if isinstance(v, torch.Tensor) else v
-            for k, v in model.items()
-        }
+        out["state_dict"] = model_sharded(
+            model, "state_dict", rank, rank_local, snapshots or BufferSnapshots()
+        )
     optimizers = checkpoint.get("optimizer_states")
     if optimizers is not None:
         out["optimizer_states"] = [_optimizer_sharded(i, osd, rank) for i, osd in enumerate(optimizers)]
     rest = {k: v for k, v in checkpoint.items() if k not in _REPLICATED}
-    out["per_rank"] = ShardedObject(
-        "lightning.per_rank", {"checkpoint": rest, "rng": capture_rng_state()}, (world,), (rank,)
-    )
+    per_rank: Dict[str, Any] = {"checkpoint": rest, "rng": capture_rng_state()}
+    if ddp is not None:
+        per_rank["ddp_buckets"] = bucket_layout(ddp)
+    out["per_rank"] = ShardedObject("lightning.per_rank", per_rank, (world,), (rank,))
     return out
 
 

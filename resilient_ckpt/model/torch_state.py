@@ -143,6 +143,8 @@ class TrainState:
         rng: save and restore torch/CUDA/numpy/python RNG states (per rank).
         stateful: per-rank objects with ``state_dict()`` / ``load_state_dict()`` (an AMP
             ``GradScaler``, a sampler), saved by name; their state dicts hold plain values.
+        ddp: the ``DistributedDataParallel`` module around ``model``, when ``model`` is the
+            module inside it (default: ``model`` itself if it is DDP-wrapped, or compiled DDP).
 
     After a restore, ``ddp_buckets`` says what became of DDP's gradient buckets (None: the
     model is not DDP-wrapped).
@@ -157,6 +159,7 @@ class TrainState:
         dp_group: Optional[dist.ProcessGroup] = None,
         rng: bool = True,
         stateful: Optional[Dict[str, Any]] = None,
+        ddp: Optional[torch.nn.Module] = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -165,6 +168,7 @@ class TrainState:
         self.dp_group = dp_group
         self.rng = rng
         self.stateful = dict(stateful or {})
+        self.ddp = ddp if ddp is not None else find_ddp(model)
         self.ddp_buckets: Optional[BucketOutcome] = None
         self._buffers = BufferSnapshots()
         for name, obj in self.stateful.items():
@@ -215,9 +219,8 @@ class TrainState:
             per_rank["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         if self.rng:
             per_rank["rng"] = capture_rng_state()
-        ddp = find_ddp(self.model)
-        if ddp is not None:
-            per_rank["ddp_buckets"] = bucket_layout(ddp)
+        if self.ddp is not None:
+            per_rank["ddp_buckets"] = bucket_layout(self.ddp)
         out["per_rank"] = ShardedObject("per_rank", per_rank, (world,), (rank,))
         return out
 
@@ -271,9 +274,8 @@ class TrainState:
             obj.load_state_dict(saved[name])
         if self.rng and "rng" in per_rank:
             restore_rng_state(per_rank["rng"])
-        ddp = find_ddp(self.model)
-        if ddp is not None:  # collective over the DDP module's group, like the restore itself
-            self.ddp_buckets = apply_bucket_layout(ddp, per_rank.get("ddp_buckets"))
+        if self.ddp is not None:  # collective over the DDP module's group, like the restore itself
+            self.ddp_buckets = apply_bucket_layout(self.ddp, per_rank.get("ddp_buckets"))
 
     def _load_model(self, loaded: Dict[str, torch.Tensor]) -> None:
         targets = self.model.state_dict(keep_vars=True)
