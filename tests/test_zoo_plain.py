@@ -13,19 +13,19 @@ while they are pending, as it may in any real run.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
-from harness import KILLED, hold_copies_until_fenced, node_store_root, run_ranks
+from harness import hold_copies_until_fenced, run_ranks
+from zoo import check_bit_exact, run_zoo
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STEPS, EVERY, KILL_AFTER = 8, 2, 4  # saves after steps 1, 3, 5, 7; node 1 lost after step 4
-RESUMED_AT = 4  # the newest complete save is step 3's
+RESTORED = 3  # the newest complete save before the loss (the resume repeats step 4)
 
 ZOO = ("batchnorm", "batchnorm-no-broadcast", "tied-groups-amsgrad", "compiled", "amp-scaler", "fsdp2")
 
@@ -165,44 +165,7 @@ def _job(ctx, phase: str, names: List[str]) -> Dict[str, Any]:
     return results
 
 
-def run_zoo(
-    tmp_path, rpn: int, job: Callable, names: List[str], timeout: float = 240
-) -> Dict[str, List[Any]]:
-    """The zoo's three runs on 2 nodes x ``rpn`` ranks; per model, per rank: (oracle, resumed)."""
-    world = 2 * rpn
-    kw = dict(ranks_per_node=rpn, timeout=timeout, collective_timeout=60)
-    reference = run_ranks(job, world, tmp_path / "reference", args=("reference", names), **kw)
-    run = tmp_path / "run"
-    faulty = run_ranks(job, world, run, args=("faulty", names), expect_killed=list(range(rpn, world)), **kw)
-    assert [repr(r) for r in faulty[rpn:]] == [repr(KILLED)] * rpn
-    shutil.rmtree(node_store_root(str(run), 1))  # node 1's memory is gone with it
-    resumed = run_ranks(job, world, run, args=("resumed", names), **kw)
-    return {name: [(reference[r][name], resumed[r][name]) for r in range(world)] for name in names}
-
-
-def check_bit_exact(results: Dict[str, List[Any]], rpn: int, resumed_at: int) -> None:
-    """Every model, every rank: resumed where expected, same losses after it, same full state."""
-    import zoo
-
-    problems = []
-    for name, per_rank in results.items():
-        for rank, (ref, run) in enumerate(per_rank):
-            where = f"{name}, rank {rank}"
-            source = "local" if rank < rpn else "peer"
-            if run["restored_from"] != {"iteration": resumed_at - 1, "source": source}:
-                problems.append(f"{where}: restored from {run['restored_from']}")
-            if run["failed"]:
-                problems.append(f"{where}: {run['failed']} failed saves")
-            want = {s: v for s, v in ref["losses"].items() if s >= resumed_at}
-            if run["losses"] != want:
-                problems.append(f"{where}: losses after the resume differ")
-            diff = zoo.first_difference(run["state"], ref["state"])
-            if diff:
-                problems.append(f"{where}: final state differs in {diff} ({run['buckets']})")
-    assert not problems, "not bit-exact:\n" + "\n".join(problems)
-
-
 @pytest.mark.parametrize("rpn", [1, 2], ids=["2-ranks", "4-ranks"])
 def test_the_readme_loop_resumes_every_zoo_model_bit_exactly_after_a_node_loss(tmp_path, rpn):
-    results = run_zoo(tmp_path, rpn, _job, list(ZOO))
-    check_bit_exact(results, rpn, RESUMED_AT)
+    results = run_zoo(run_ranks, tmp_path, rpn, _job, list(ZOO))
+    check_bit_exact(results, rpn, RESTORED)

@@ -18,10 +18,13 @@ from __future__ import annotations
 import hashlib
 import pickle
 import random
-from typing import Any, Callable, Dict
+import shutil
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 import torch
+
+from harness import KILLED, node_store_root
 
 
 def data(step: int, rank: int, micro: int = 0, shape=(8, 3, 6, 6)) -> torch.Tensor:
@@ -171,3 +174,45 @@ def compile_eager(model: torch.nn.Module) -> Callable:
     """``torch.compile`` through TorchDynamo and AOTAutograd without code generation (seconds,
     not tens of seconds, on a CPU; the state dict, hooks and DDP see what inductor gives them)."""
     return torch.compile(model, backend="aot_eager")
+
+
+# ---- the three runs and the verdict -------------------------------------------------------------
+
+
+def run_zoo(
+    run_ranks: Callable, tmp_path, rpn: int, job: Callable, names: List[str], timeout: float = 240
+) -> Dict[str, List[Any]]:
+    """The zoo's three runs of ``job(ctx, phase, names)`` on 2 nodes x ``rpn`` ranks (through
+    ``run_ranks``: the harness's, or a zygote's): the oracle, the run that loses node 1 (its
+    ranks SIGKILL themselves, its store is wiped), the resumed run. Per model, per rank: (oracle,
+    resumed)."""
+    world = 2 * rpn
+    kw = dict(ranks_per_node=rpn, timeout=timeout, collective_timeout=60)
+    reference = run_ranks(job, world, tmp_path / "reference", args=("reference", names), **kw)
+    run = tmp_path / "run"
+    faulty = run_ranks(job, world, run, args=("faulty", names), expect_killed=list(range(rpn, world)), **kw)
+    assert [repr(r) for r in faulty[rpn:]] == [repr(KILLED)] * rpn
+    shutil.rmtree(node_store_root(str(run), 1))  # node 1's memory is gone with it
+    resumed = run_ranks(job, world, run, args=("resumed", names), **kw)
+    return {name: [(reference[r][name], resumed[r][name]) for r in range(world)] for name in names}
+
+
+def check_bit_exact(results: Dict[str, List[Any]], rpn: int, restored: int) -> None:
+    """Every model, every rank: resumed from the checkpoint of iteration ``restored`` (node 1's
+    ranks from the replicas on node 0), the same losses after it, the same full state."""
+    problems = []
+    for name, per_rank in results.items():
+        for rank, (ref, run) in enumerate(per_rank):
+            where = f"{name}, rank {rank}"
+            source = "local" if rank < rpn else "peer"
+            if run["restored_from"] != {"iteration": restored, "source": source}:
+                problems.append(f"{where}: restored from {run['restored_from']}")
+            if run["failed"]:
+                problems.append(f"{where}: {run['failed']} failed saves")
+            want = {s: v for s, v in ref["losses"].items() if s >= min(run["losses"], default=0)}
+            if run["losses"] != want:
+                problems.append(f"{where}: losses after the resume differ")
+            diff = first_difference(run["state"], ref["state"])
+            if diff:
+                problems.append(f"{where}: final state differs in {diff} ({run['buckets']})")
+    assert not problems, "not bit-exact:\n" + "\n".join(problems)
