@@ -385,7 +385,7 @@ class PeerPusher:
         self.node = node
         self.label = f"node-{node}"
         self._done = done
-        self.queue: "queue.Queue[Tuple[Replication, int]]" = queue.Queue()
+        self.queue: "queue.Queue[Optional[Tuple[Replication, int]]]" = queue.Queue()  # None: stop
         self.thread = threading.Thread(target=self._main, name=f"rc-daemon-push-{node}", daemon=True)
         self._rpc: Optional[Rpc] = None
         self._monitor: Optional[zmq.Socket] = None
@@ -396,6 +396,7 @@ class PeerPusher:
 
     def stop(self) -> None:
         self._stop.set()
+        self.queue.put(None)  # wakes the thread at once
 
     def _stopping(self) -> bool:
         return self._stop.is_set() or self.ctx.stopping.is_set()
@@ -404,12 +405,13 @@ class PeerPusher:
         try:
             while not self._stopping():
                 try:
-                    rec, generation = self.queue.get(timeout=0.25)
+                    item = self.queue.get(timeout=0.25)
                 except queue.Empty:
                     continue
-                self._handle(rec, generation)
+                if item is not None:
+                    self._handle(*item)
         finally:
-            self._disconnect()
+            self._disconnect()  # this thread's sockets, closed by this thread before it ends
 
     def _handle(self, rec: Replication, generation: int) -> None:
         t0 = time.monotonic()
@@ -471,9 +473,8 @@ class PeerPusher:
         if self._rpc is not None and self._rpc.endpoint == endpoint and not self._drain_monitor():
             return self._rpc
         self._disconnect()
-        rpc = ctx.rpc(endpoint, data=True)
+        rpc = self._rpc = ctx.rpc(endpoint, data=True)  # kept first: _disconnect closes it whatever fails
         self._monitor = rpc.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-        self._rpc = rpc
         try:
             rpc.hello(session, timeout_s=ctx.config.peer_timeout_s)
         except PeerTimeout as e:
