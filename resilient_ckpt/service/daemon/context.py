@@ -4,6 +4,7 @@
   metrics, the shared :class:`Ledger`, the stop and retention signals, logging, a way to run
   code in the router thread (``post``) and to open RPC channels to peers;
 * :class:`Ledger` — state several threads read and write, under one lock;
+* :class:`Workers` — the ``rc-daemon-work-<i>`` threads for requests that wait on peers;
 * :class:`Replier` — answers on the ROUTER, and :class:`Connections` — what each peer said
   in its HELLO (router thread only).
 """
@@ -15,9 +16,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import zmq
 
@@ -38,7 +38,7 @@ from ..wire import (
     error_body,
     send,
 )
-from .config import DATA_SOCKOPTS, DaemonConfig, RateLimit, log_event
+from .config import DATA_SOCKOPTS, DaemonConfig, RateLimit, log_event, logger
 from .metrics import Metrics
 from .peers import PeerDirectory
 from .stores import Stores
@@ -136,6 +136,60 @@ class Ledger:
             return dict(self._recovery)
 
 
+class Workers:
+    """Up to ``size`` threads ``rc-daemon-work-<i>`` (started as work arrives) for requests that
+    wait on peers: FETCH pulls, LIST with peers. Unlike a ThreadPoolExecutor, :meth:`stop` hands
+    back every thread it started, so the daemon can join each one within its own deadline before
+    it terminates the ZeroMQ context their peer sockets belong to."""
+
+    def __init__(self, size: int, name: str = "rc-daemon-work"):
+        self._size, self._name = size, name
+        self._cond = threading.Condition()
+        self._tasks: Deque[Tuple[Callable[..., None], Tuple[Any, ...]]] = collections.deque()
+        self._threads: List[threading.Thread] = []
+        self._idle = 0  # threads waiting for a task and not yet promised one
+        self._stopped = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Run ``fn(*args)`` in a worker thread. False once :meth:`stop` was called: the task is
+        dropped, like those not started by then (their requesters get no answer and retry)."""
+        with self._cond:
+            if self._stopped:
+                return False
+            self._tasks.append((fn, args))
+            if self._idle:
+                self._idle -= 1
+                self._cond.notify()
+            elif len(self._threads) < self._size:
+                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._tasks and not self._stopped:
+                    self._idle += 1
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                fn, args = self._tasks.popleft()
+            try:
+                fn(*args)  # a task closes the sockets it opens (its peer channels) before it ends
+            except Exception:
+                logger.exception("worker task failed")
+
+    def stop(self) -> List[threading.Thread]:
+        """Refuse new work, drop what has not started, let the threads end after their
+        current task; returns them (to join)."""
+        with self._cond:
+            self._stopped = True
+            self._tasks.clear()
+            self._cond.notify_all()
+            return list(self._threads)
+
+
 @dataclass
 class DaemonContext:
     """The daemon's shared parts. ``post`` runs a function in the router thread (the only one
@@ -152,7 +206,7 @@ class DaemonContext:
     #: so a pre-start floor would add nothing there, only refuse a peer whose clock lags.
     peer_guard: ReplayGuard
     post: Callable[[Callable[[], None]], None]
-    workers: ThreadPoolExecutor
+    workers: Workers
     started_ns: int = field(default_factory=time.time_ns)
     started_monotonic: float = field(default_factory=time.monotonic)
     stopping: threading.Event = field(default_factory=threading.Event)

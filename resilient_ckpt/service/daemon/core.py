@@ -8,9 +8,14 @@ Threads, each with a name and one owner of its sockets (ZeroMQ sockets are not t
   work through ``DaemonContext.post`` (a queue plus a wake-up pipe in its poll set).
 * ``rc-daemon-push-<node>``: one per holder node, owns a DEALER to that node's daemon and
   pushes queued replications one after another (credit window = bounded bytes in flight).
-* ``rc-daemon-work_*``: a small pool for requests that wait on peers (FETCH pull, LIST peers).
+* ``rc-daemon-work-<i>``: a small pool for requests that wait on peers (FETCH pull, LIST
+  peers); each task opens and closes its own channels to peers.
 * ``rc-daemon-maint``: peer liveness pings, discovery refresh, retention.
 * ``rc-daemon-recover``: the start-up recovery of ``--recover``.
+
+Every thread closes the sockets it made before it ends; :meth:`Daemon.stop` terminates the
+ZeroMQ context only once all of them have ended (``Context.destroy()`` would close sockets
+from the stopping thread, under threads that may still use them: libzmq aborts).
 """
 
 from __future__ import annotations
@@ -22,8 +27,7 @@ import queue
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import zmq
 
@@ -44,7 +48,7 @@ from ..wire import (
     recv_raw_from,
 )
 from .config import DATA_SOCKOPTS, DaemonConfig, SessionFilter, logger
-from .context import Connections, DaemonContext, Ledger, Replier, daemon_version
+from .context import Connections, DaemonContext, Ledger, Replier, Workers, daemon_version
 from .fetch import FetchStreams, Puller
 from .handlers import Requests, rejection_body
 from .inbound import Receiver, TransferError
@@ -108,6 +112,14 @@ class _Mailbox:
             self._r = self._w = -1
 
 
+def _join(threads: Sequence[threading.Thread], deadline: Optional[float]) -> None:
+    """Join ``threads`` (not the calling one) until ``deadline`` (monotonic; None: no limit)."""
+    me = threading.current_thread()
+    for t in threads:
+        if t is not me:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
 class Daemon:
     """One node's checkpoint daemon. ``start()`` binds and runs it in background threads;
     ``stop()`` ends it. Tests run it in-process; ``resilient-ckpt serve`` runs :func:`main`."""
@@ -149,7 +161,7 @@ class Daemon:
             rejects=self.rejects,
             peer_guard=self.peer_guard,
             post=self._mailbox.post,
-            workers=ThreadPoolExecutor(max_workers=4, thread_name_prefix="rc-daemon-work"),
+            workers=Workers(4),
             started_ns=self.started_ns,
         )
         self._retention_due = self.ctx.retention_due  # set it to run a retention pass soon
@@ -164,7 +176,8 @@ class Daemon:
         self._recovery = Recovery(self.ctx, puller)
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
-        self._threads: List[threading.Thread] = []
+        self._threads: List[threading.Thread] = []  # router first, then maint, recover
+        self._term_lock = threading.Lock()
 
     def event(self, level: int, event: str, **fields: Any) -> None:
         self.ctx.event(level, event, **fields)
@@ -180,7 +193,7 @@ class Daemon:
         if not self._started.wait(timeout):
             raise ProtocolConfigError(f"the daemon did not start within {timeout:g} s", fix="see its log")
         if self._start_error is not None:
-            self.ctx.stopping.set()
+            self.stop(timeout)
             raise self._start_error
         self._spawn(self._maintenance.run, "rc-daemon-maint")
         if self.config.recover:
@@ -193,24 +206,55 @@ class Daemon:
         t.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and end every thread, within ``timeout`` seconds in all.
+
+        Each thread closes the sockets it made as it ends, and the ZeroMQ context is terminated
+        only once every thread that could own one has ended: a socket closed under the thread
+        using it makes libzmq abort the process. A thread still running at the deadline is
+        named in a ``stop_incomplete`` WARNING and the context is left to a background thread
+        that terminates it once they have all ended."""
         ctx = self.ctx
-        ctx.stopping.set()
+        deadline = time.monotonic() + timeout
+        ctx.stopping.set()  # every loop and every peer request checks it
         ctx.retention_due.set()  # wakes the maintenance thread
         self._mailbox.wake()
-        pushers = self._requests.table.stop()
-        for t in self._threads + pushers:
-            if t is not threading.current_thread():
-                t.join(timeout)
-        ctx.workers.shutdown(wait=True, cancel_futures=True)
+        # The router first: while it runs it may still start pushers and hand work to workers.
+        _join(self._threads[:1], deadline)
+        threads = self._threads + self._requests.table.stop() + ctx.workers.stop()
+        _join(threads, deadline)
         self.metrics.close()
         self.peers.close()
-        self._mailbox.close()
-        if ctx.zmq_context is not None:
-            alive = [t.name for t in self._threads if t.is_alive()]
-            if alive:  # destroying the context under a live socket is unsafe: leave it to exit
-                logger.warning("daemon threads still running at stop: %s", alive)
-            else:
-                ctx.zmq_context.destroy(linger=0)
+        alive = [t for t in threads if t.is_alive()]
+        if not alive:
+            self._terminate(threads)
+            return
+        self.event(
+            logging.WARNING,
+            "stop_incomplete",
+            threads=[t.name for t in alive],
+            seconds=timeout,
+            meaning="these threads may still use their ZeroMQ sockets: the daemon's context is "
+            "terminated only once they end (closing sockets under them would abort the process)",
+        )
+        threading.Thread(target=self._terminate, args=(threads,), name="rc-daemon-term", daemon=True).start()
+
+    def _terminate(self, threads: Sequence[threading.Thread]) -> None:
+        """Once ``threads`` (all that may own a socket) have ended: close the mailbox and
+        terminate the ZeroMQ context (every socket was closed by its own thread)."""
+        _join(threads, None)
+        with self._term_lock:
+            self._mailbox.close()
+            zctx = self.ctx.zmq_context
+            if zctx is None or zctx.closed:
+                return
+            # A socket a thread left open: a bug (logged); its thread has ended, so closing it
+            # here is safe, and term() would wait for it forever.
+            left = [s for s in list(getattr(zctx, "_sockets", None) or ()) if not s.closed]
+            for s in left:
+                s.close(linger=0)
+            if left:
+                self.event(logging.WARNING, "stop_socket_left_open", sockets=len(left))
+            zctx.term()
 
     def __enter__(self) -> "Daemon":
         return self.start()
@@ -263,6 +307,7 @@ class Daemon:
         router = None
         try:
             ctx.zmq_context = zmq.Context(io_threads=max(1, cfg.io_threads))
+            ctx.zmq_context.set(zmq.BLOCKY, 0)  # term() never waits on a socket's linger
             router = ctx.zmq_context.socket(zmq.ROUTER)
             configure_socket(router, limits=self.limits)
             for opt, value in DATA_SOCKOPTS.items():
@@ -289,8 +334,8 @@ class Daemon:
             if router is not None:
                 router.close(linger=0)
             self._replies.socket = None
-            if ctx.zmq_context is not None:
-                ctx.zmq_context.destroy(linger=0)
+            if ctx.zmq_context is not None:  # its only socket (the router) is closed
+                ctx.zmq_context.term()
                 ctx.zmq_context = None
             self.metrics.close()
             self._started.set()
@@ -318,7 +363,7 @@ class Daemon:
 
     def _receive_batch(self, router: zmq.Socket) -> None:
         for _ in range(_RECEIVE_BATCH):
-            if not router.poll(0, zmq.POLLIN):
+            if self.ctx.stopping.is_set() or not router.poll(0, zmq.POLLIN):
                 break
             self._receive_one()
             if self._streams.streams:
