@@ -316,3 +316,15 @@ def test_a_cuda_model_and_adamw_resume_bit_exactly_through_the_hook(shm_root):
     assert all(opt_state[i]["exp_avg"].is_cuda for i in opt_state)
     assert got_groups == groups and got_extra == extra == {"data_position": 4}
     assert torch.equal(torch.cuda.get_rng_state(), rng_at_3)
+
+
+def test_the_zoo_resumes_bit_exactly_on_cuda_with_synchronized_and_per_rank_batchnorm(shm_root):
+    """tests/test_zoo_plain.py on the GPU (2 nodes x 1 rank, both on cuda:0, DDP over gloo):
+    BatchNorm with and without buffer broadcast, SyncBatchNorm (CUDA only), the tied model; the
+    buffers' copies at the save run on the current stream, the CUDA RNG is compared too."""
+    from test_zoo_plain import RESTORED, _job
+    from zoo import check_bit_exact, run_zoo
+
+    names = ["batchnorm", "batchnorm-no-broadcast", "syncbatchnorm", "tied-groups-amsgrad"]
+    results = run_zoo(run_ranks, shm_root, 1, _job, names, more_args=("cuda",))
+    check_bit_exact(results, 1, RESTORED)

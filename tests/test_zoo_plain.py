@@ -43,15 +43,17 @@ class Setup:
         return {"scaler": self.scaler} if self.scaler is not None else {}
 
 
-def _build(name: str) -> Setup:
+def _build(name: str, device: str = "cpu") -> Setup:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import zoo
 
     torch.manual_seed(0)
-    if name in ("batchnorm", "batchnorm-no-broadcast", "compiled"):
-        net = zoo.ConvBN()
+    if name in ("batchnorm", "batchnorm-no-broadcast", "compiled", "syncbatchnorm"):
+        net = zoo.ConvBN().to(device)
+        if name == "syncbatchnorm":  # CUDA only (tests/test_cuda.py)
+            net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)
         model = DDP(net, broadcast_buffers=name != "batchnorm-no-broadcast")
         if name == "compiled":
             model = zoo.compile_eager(model)
@@ -62,7 +64,7 @@ def _build(name: str) -> Setup:
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         return Setup(model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
     if name == "tied-groups-amsgrad":
-        net = zoo.TiedLM()
+        net = zoo.TiedLM().to(device)
         model = DDP(net)
         decay = [p for n, p in net.named_parameters() if n.startswith("mix")]
         rest = [p for n, p in net.named_parameters() if not n.startswith("mix") and p.requires_grad]
@@ -91,7 +93,7 @@ def _build(name: str) -> Setup:
     raise AssertionError(name)
 
 
-def _step(s: Setup, step: int, rank: int) -> float:
+def _step(s: Setup, step: int, rank: int, device: str = "cpu") -> float:
     import torch
 
     import zoo
@@ -104,7 +106,7 @@ def _step(s: Setup, step: int, rank: int) -> float:
             torch.autocast("cpu", dtype=torch.bfloat16) if s.scaler is not None else contextlib.nullcontext()
         )
         with sync, amp:
-            loss = zoo.loss_of(s.model(zoo.data(step, rank, micro))) / s.accumulate
+            loss = zoo.loss_of(s.model(zoo.data(step, rank, micro).to(device))) / s.accumulate
         (s.scaler.scale(loss) if s.scaler is not None else loss).backward()
         total += loss.item()
     if s.scaler is not None:
@@ -119,12 +121,12 @@ def _step(s: Setup, step: int, rank: int) -> float:
     return total
 
 
-def _train_model(ctx, name: str, phase: str) -> Dict[str, Any]:
+def _train_model(ctx, name: str, phase: str, device: str = "cpu") -> Dict[str, Any]:
 
     import zoo
     from resilient_ckpt import CheckpointHook, CheckpointManager, TrainState
 
-    s = _build(name)
+    s = _build(name, device)
     zoo.seed_everything(1000 + ctx.rank)  # per-rank dropout streams (the user's script's seeding)
     losses: Dict[int, float] = {}
     hook: Optional[CheckpointHook] = None
@@ -136,7 +138,7 @@ def _train_model(ctx, name: str, phase: str) -> Dict[str, Any]:
     start = hook.restore() if phase == "resumed" else 0
     last = KILL_AFTER if phase == "faulty" else STEPS - 1
     for step in range(start, last + 1):
-        losses[step] = _step(s, step, ctx.rank)
+        losses[step] = _step(s, step, ctx.rank, device)
         if hook is not None:
             hook.step(step)
     if hook is not None:
@@ -155,11 +157,11 @@ def _train_model(ctx, name: str, phase: str) -> Dict[str, Any]:
     return out
 
 
-def _job(ctx, phase: str, names: List[str]) -> Dict[str, Any]:
+def _job(ctx, phase: str, names: List[str], device: str = "cpu") -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     if phase == "faulty":
         hold_copies_until_fenced()
-    results = {name: _train_model(ctx, name, phase) for name in names}
+    results = {name: _train_model(ctx, name, phase, device) for name in names}
     if phase == "faulty" and ctx.node == 1:
         ctx.kill_self()  # node 1 is lost: its trainers die, its memory below
     return results

@@ -137,11 +137,14 @@ def digests(**parts: Any) -> Dict[str, str]:
 
 def rng_state() -> Dict[str, Any]:
     np_state = np.random.get_state()
-    return {
+    out = {
         "torch": torch.get_rng_state(),
         "numpy": (np_state[0], np_state[1], *np_state[2:]),
         "python": pickle.dumps(random.getstate()),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    return out
 
 
 def full_state(model, optimizer=None, scheduler=None, extra=None, **more) -> Dict[str, str]:
@@ -180,20 +183,28 @@ def compile_eager(model: torch.nn.Module) -> Callable:
 
 
 def run_zoo(
-    run_ranks: Callable, tmp_path, rpn: int, job: Callable, names: List[str], timeout: float = 240
+    run_ranks: Callable,
+    tmp_path,
+    rpn: int,
+    job: Callable,
+    names: List[str],
+    timeout: float = 240,
+    more_args: tuple = (),
 ) -> Dict[str, List[Any]]:
     """The zoo's three runs of ``job(ctx, phase, names)`` on 2 nodes x ``rpn`` ranks (through
-    ``run_ranks``: the harness's, or a zygote's): the oracle, the run that loses node 1 (its
-    ranks SIGKILL themselves, its store is wiped), the resumed run. Per model, per rank: (oracle,
-    resumed)."""
+    ``run_ranks``: the harness's, or a zygote's; ``more_args`` follow ``names``): the oracle, the
+    run that loses node 1 (its ranks SIGKILL themselves, its store is wiped), the resumed run.
+    Per model, per rank: (oracle, resumed)."""
     world = 2 * rpn
     kw = dict(ranks_per_node=rpn, timeout=timeout, collective_timeout=60)
-    reference = run_ranks(job, world, tmp_path / "reference", args=("reference", names), **kw)
+    reference = run_ranks(job, world, tmp_path / "reference", args=("reference", names, *more_args), **kw)
     run = tmp_path / "run"
-    faulty = run_ranks(job, world, run, args=("faulty", names), expect_killed=list(range(rpn, world)), **kw)
+    faulty = run_ranks(
+        job, world, run, args=("faulty", names, *more_args), expect_killed=list(range(rpn, world)), **kw
+    )
     assert [repr(r) for r in faulty[rpn:]] == [repr(KILLED)] * rpn
     shutil.rmtree(node_store_root(str(run), 1))  # node 1's memory is gone with it
-    resumed = run_ranks(job, world, run, args=("resumed", names), **kw)
+    resumed = run_ranks(job, world, run, args=("resumed", names, *more_args), **kw)
     return {name: [(reference[r][name], resumed[r][name]) for r in range(world)] for name in names}
 
 
