@@ -75,11 +75,12 @@ class ShardedTensor:
     ``prepend_axis_num`` leading global axes have local extent 1 and no local axis,
     ``axis_fragmentations`` is the regular grid (or None for an irregular one).
 
-    ``rank_local`` (our extension): each rank's value is its own although the shard is
-    replicated by name — BatchNorm statistics under data parallelism, which every rank updates
-    from its own batch. Every holder saves its copy and gets it back on restore (a replaced
-    rank from its replica); integrity, the main replica and what a persistent flush or a
-    restore on another layout reads are as for any replica.
+    ``rank_local`` (our extension; an attribute, not a field: the fields are Megatron-core's):
+    each rank's value is its own although the shard is replicated by name — BatchNorm
+    statistics under data parallelism, which every rank updates from its own batch. Every
+    holder saves its copy and gets it back on restore (a replaced rank from its replica);
+    integrity, the main replica and what a persistent flush or a restore on another layout
+    reads are as for any replica.
     """
 
     key: str
@@ -92,7 +93,7 @@ class ShardedTensor:
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
-    rank_local: bool = False
+    rank_local = False  # see the class docstring (set per instance)
 
     def __post_init__(self):
         self.local_shape = tuple(int(s) for s in self.local_shape)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..bits import copy_bits
+from ..bits import copy_bits, foreach_copy_bits
 from ..errors import ValidationError
 from .ddp_buckets import BucketOutcome, apply_bucket_layout, bucket_layout, find_ddp
 from .mapping import ShardedObject, ShardedTensor
@@ -88,7 +88,9 @@ def to_sharded_tensor(key: str, t: torch.Tensor, dp_rank: int = 0, rank_local: b
             None,  # FSDP2 chunks may be uneven: describe the grid by offsets only
             replica or 0,
         )
-    return ShardedTensor.from_rank_offsets(key, t, replica_id=dp_rank, rank_local=rank_local)
+    st = ShardedTensor.from_rank_offsets(key, t, replica_id=dp_rank)
+    st.rank_local = rank_local
+    return st
 
 
 def buffer_names(module: torch.nn.Module) -> set:
@@ -106,12 +108,18 @@ class BufferSnapshots:
     def __init__(self):
         self._copies: Dict[str, torch.Tensor] = {}
 
-    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        copy = self._copies.get(name)
-        if copy is None or copy.shape != t.shape or copy.dtype != t.dtype or copy.device != t.device:
-            copy = self._copies[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
-        return copy_bits(copy, t)
+    def copy(self, buffers: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Copies of ``buffers`` (name -> tensor), refilled in one fused copy (a model with
+        thousands of BatchNorm layers has tens of thousands of buffers)."""
+        copies: Dict[str, torch.Tensor] = {}
+        for name, t in buffers.items():
+            c = self._copies.get(name)
+            if c is None or c.shape != t.shape or c.dtype != t.dtype or c.device != t.device:
+                c = torch.empty_like(t, memory_format=torch.contiguous_format)
+            copies[name] = c
+        self._copies = copies
+        foreach_copy_bits(list(copies.values()), [t.detach() for t in buffers.values()])
+        return copies
 
 
 def model_sharded(
@@ -119,14 +127,17 @@ def model_sharded(
 ) -> Dict[str, Any]:
     """A model's ``state_dict()`` as ShardedTensors keyed ``{prefix}.{name}``: parameters as
     data-parallel replicas, buffers (``buffers``: their names) rank-local, from ``snapshots``."""
+    own = snapshots.copy(
+        {n: t for n, t in state.items() if n in buffers and isinstance(t, torch.Tensor) and not is_dtensor(t)}
+    )
     out: Dict[str, Any] = {}
     for name, t in state.items():
-        if not isinstance(t, torch.Tensor):
-            out[name] = t
-        elif name in buffers and not is_dtensor(t):
-            out[name] = to_sharded_tensor(f"{prefix}.{name}", snapshots(name, t), dp_rank, rank_local=True)
-        else:
+        if name in own:
+            out[name] = to_sharded_tensor(f"{prefix}.{name}", own[name], dp_rank, rank_local=True)
+        elif isinstance(t, torch.Tensor):
             out[name] = to_sharded_tensor(f"{prefix}.{name}", t, dp_rank)
+        else:
+            out[name] = t
     return out
 
 
