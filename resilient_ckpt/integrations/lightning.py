@@ -195,6 +195,7 @@ class LocalCheckpointCallback(pl.callbacks.ModelCheckpoint):
             io.rank_local = buffer_names(pl_module)  # the module's buffers: each rank's own
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)  # ModelCheckpoint starts its time interval here
         ddp = find_ddp(trainer.strategy.model)
         io = trainer.strategy.checkpoint_io
         if isinstance(io, HierarchicalCheckpointIO):
