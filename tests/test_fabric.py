@@ -20,6 +20,9 @@ from resilient_ckpt.bench import fabric as fabric_mod
 from resilient_ckpt.bench.fabric import Fabric, LinkShape, parse_rate
 from resilient_ckpt.errors import ValidationError
 
+# one fabric at a time on the host (its bridge and addresses are the host's): one xdist worker
+pytestmark = pytest.mark.xdist_group("netns")
+
 needs_netns = pytest.mark.skipif(
     fabric_mod.unavailable() is not None,
     reason=f"network namespaces are not available here: {fabric_mod.unavailable()}",

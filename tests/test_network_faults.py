@@ -40,7 +40,8 @@ from resilient_ckpt.bench.fabric import Fabric, LinkShape
 from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 from resilient_ckpt.service.local_cluster import LocalDaemonCluster
 
-pytestmark = pytest.mark.multiprocess
+# one fabric at a time on the host (its bridge and addresses are the host's): one xdist worker
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("netns")]
 
 MODES = ("embedded", "service")
 MiB = 1 << 20

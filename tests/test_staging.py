@@ -350,15 +350,15 @@ def test_a_segment_staged_piece_by_piece_lets_a_prefix_be_used_before_the_last_c
 
     monkeypatch.setattr(staging, "PIECE_BYTES", 4096)
     gate, copies = threading.Event(), []
-    real = staging.foreach_copy_bits
+    real = staging.foreach_copy_run_bits  # what a piece of a run is copied with
 
-    def copy(dsts, srcs, **kw):
+    def copy(dsts, srcs, *args, **kw):
         copies.append(len(srcs))
         if len(copies) == 2:  # the second piece waits until the test has seen the first
             assert gate.wait(30)
-        return real(dsts, srcs, **kw)
+        return real(dsts, srcs, *args, **kw)
 
-    monkeypatch.setattr(staging, "foreach_copy_bits", copy)
+    monkeypatch.setattr(staging, "foreach_copy_run_bits", copy)
     store = CheckpointStore(tmp_root, "s", world_size=1)
     tensors = [torch.randn(1024) for _ in range(4)] + [torch.arange(2048, dtype=torch.int16)]
     layouts, total = plan_layout([(t.dtype, tuple(t.shape)) for t in tensors])
@@ -371,6 +371,7 @@ def test_a_segment_staged_piece_by_piece_lets_a_prefix_be_used_before_the_last_c
         gate.set()
         handle.wait_prefix(total)  # every byte is there (the thread may still be returning)
         assert all(torch.equal(seg.tensor(l), t) for l, t in zip(layouts, tensors))
+        assert len(copies) == 5  # a copy per piece (4 float32, 1 int16): the gate held the second
     finally:
         gate.set()
         stager.shutdown()
