@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/lightning_overhead.py                 # defaults below
     .venv/bin/python benchmarks/lightning_overhead.py --param-mib 64 --steps 60 --every 10 --reps 3
+    .venv/bin/python benchmarks/lightning_overhead.py --batchnorm       # with BatchNorm buffers
 
 One process, Lightning on CPU (devices=1), an MLP of ``--param-mib`` MiB of fp32 parameters
 trained with Adam (so a save holds 3x that: weights, exp_avg, exp_avg_sq), ``--steps`` steps.
@@ -48,7 +49,12 @@ def _run(local: bool, args, store_root: str, session: str) -> dict:
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+            blocks = []
+            for _ in range(layers):  # with --batchnorm a BatchNorm1d after each layer: buffers
+                blocks += [torch.nn.Linear(width, width)] + (
+                    [torch.nn.BatchNorm1d(width)] if args.batchnorm else []
+                )
+            self.net = torch.nn.Sequential(*blocks)
 
         def training_step(self, batch, batch_idx):
             x = torch.randn(args.batch, width)
@@ -159,6 +165,12 @@ def main(argv=None) -> int:
         "--param-mib", type=float, default=32.0, help="fp32 parameters, MiB (default 32; 4 MiB layers)"
     )
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument(
+        "--batchnorm",
+        action="store_true",
+        help="a BatchNorm1d after each layer (buffers the next forward writes: copied at the save "
+        "since issue 40, a fence at the next batch start before)",
+    )
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10, help="local checkpoint every N steps")
     p.add_argument("--reps", type=int, default=5, help="runs of each kind, alternating")

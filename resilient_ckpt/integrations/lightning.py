@@ -85,6 +85,7 @@ else:
     )
 
 from ..errors import CheckpointingException, ValidationError
+from ..gc_pause import paused_gc
 from ..manager.checkpoint_manager import CheckpointManager
 from ..manager.hooks import CheckpointHook, log_resume
 from ..model import codec
@@ -592,13 +593,14 @@ def lightning_to_sharded(
     rank, world = _dp_rank_world()
     out: Dict[str, Any] = {}
     model = checkpoint.get("state_dict")
-    if model is not None:
-        out["state_dict"] = model_sharded(
-            model, "state_dict", rank, rank_local, snapshots or BufferSnapshots()
-        )
     optimizers = checkpoint.get("optimizer_states")
-    if optimizers is not None:
-        out["optimizer_states"] = [_optimizer_sharded(i, osd, rank) for i, osd in enumerate(optimizers)]
+    with paused_gc():  # a ShardedTensor per tensor, none of them garbage (see gc_pause)
+        if model is not None:
+            out["state_dict"] = model_sharded(
+                model, "state_dict", rank, rank_local, snapshots or BufferSnapshots()
+            )
+        if optimizers is not None:
+            out["optimizer_states"] = [_optimizer_sharded(i, osd, rank) for i, osd in enumerate(optimizers)]
     rest = {k: v for k, v in checkpoint.items() if k not in _REPLICATED}
     per_rank: Dict[str, Any] = {"checkpoint": rest, "rng": capture_rng_state()}
     if ddp is not None:

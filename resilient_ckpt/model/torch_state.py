@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..bits import copy_bits, foreach_copy_bits
 from ..errors import ValidationError
+from ..gc_pause import paused_gc
 from .ddp_buckets import BucketOutcome, apply_bucket_layout, bucket_layout, find_ddp
 from .mapping import ShardedObject, ShardedTensor
 
@@ -216,13 +217,16 @@ class TrainState:
         dp_rank, _ = _dp_rank_and_size(self.dp_group)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        model = self.model.state_dict()
-        model = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
-        out: Dict[str, Any] = {
-            "model": model_sharded(model, "model", dp_rank, buffer_names(self.model), self._buffers)
-        }
-        if self.optimizer is not None:
-            out["optimizer"] = self._optimizer_sharded(dp_rank)
+        # One ShardedTensor per tensor, none of them garbage: a collection meanwhile would walk
+        # the trainer's whole heap, repeatedly (see gc_pause).
+        with paused_gc():
+            model = self.model.state_dict()
+            model = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+            out: Dict[str, Any] = {
+                "model": model_sharded(model, "model", dp_rank, buffer_names(self.model), self._buffers)
+            }
+            if self.optimizer is not None:
+                out["optimizer"] = self._optimizer_sharded(dp_rank)
         if self.lr_scheduler is not None:
             out["lr_scheduler"] = self.lr_scheduler.state_dict()
         per_rank: Dict[str, Any] = {"extra": dict(self.extra)}
