@@ -42,6 +42,7 @@ def _train(ctx, out_dir: str, kill_at: int):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+    import zoo
     from resilient_ckpt import CheckpointManager
     from resilient_ckpt.integrations.huggingface import LocalCheckpointCallback
 
@@ -50,14 +51,6 @@ def _train(ctx, out_dir: str, kill_at: int):
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("resilient_ckpt.integrations.huggingface").addHandler(handler)
     logging.getLogger("resilient_ckpt.integrations.huggingface").setLevel(logging.INFO)
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 256
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids.clone()}
 
     class RecordingTrainer(Trainer):
         losses = {}
@@ -96,7 +89,9 @@ def _train(ctx, out_dir: str, kill_at: int):
         lambda: CheckpointManager(session_id=SESSION, store_root=ctx.store_root, timeout_s=20),
         every_n_steps=EVERY,
     )
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=[local, KillNode()])
+    trainer = RecordingTrainer(
+        model=model, args=args, train_dataset=zoo.Tokens(), callbacks=[local, KillNode()]
+    )
     try:
         trainer.train(resume_from_checkpoint=local.resume_checkpoint(trainer))
     except Exception as e:  # node 0 after node 1 vanished: DDP's all-reduce fails

@@ -14,13 +14,12 @@ the resume must equal the oracle's bit for bit.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Dict, List
 
 import pytest
 
 from framework_zygote import Zygote
-from zoo import check_bit_exact, run_zoo
+from zoo import check_bit_exact, rank_job, run_zoo
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -143,16 +142,8 @@ def _lightning_model(ctx, name: str, phase: str) -> Dict[str, Any]:
 
 
 def _lightning_job(ctx, phase: str, names: List[str]) -> Dict[str, Any]:
-    warnings.filterwarnings("ignore")
     os.environ["GROUP_RANK"] = str(ctx.node)  # with RANK/LOCAL_RANK/LOCAL_WORLD_SIZE: torchelastic's
-    if phase == "faulty":
-        from harness import hold_copies_until_fenced
-
-        hold_copies_until_fenced()
-    results = {name: _lightning_model(ctx, name, phase) for name in names}
-    if phase == "faulty" and ctx.node == 1:
-        ctx.kill_self()
-    return results
+    return rank_job(ctx, phase, names, _lightning_model)
 
 
 @pytest.mark.parametrize("rpn", [1, 2], ids=["2-ranks", "4-ranks"])
@@ -178,14 +169,6 @@ def _hf_model(ctx, name: str, phase: str) -> Dict[str, Any]:
 
         def __getitem__(self, i):
             return {"x": zoo.data(i, 0, shape=(3, 6, 6))}
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 256
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids.clone()}
 
     class WithLoss(torch.nn.Module):
         def __init__(self):
@@ -214,7 +197,7 @@ def _hf_model(ctx, name: str, phase: str) -> Dict[str, Any]:
     if name == "gpt2":  # tied embedding/head, dropout; the Trainer's DDP finds unused parameters
         model, data, extra = (
             GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)),
-            Tokens(),
+            zoo.Tokens(),
             {},
         )
     else:  # DDP rebuilds its buckets
@@ -267,15 +250,7 @@ def _hf_model(ctx, name: str, phase: str) -> Dict[str, Any]:
 
 
 def _hf_job(ctx, phase: str, names: List[str]) -> Dict[str, Any]:
-    warnings.filterwarnings("ignore")
-    if phase == "faulty":
-        from harness import hold_copies_until_fenced
-
-        hold_copies_until_fenced()
-    results = {name: _hf_model(ctx, name, phase) for name in names}
-    if phase == "faulty" and ctx.node == 1:
-        ctx.kill_self()
-    return results
+    return rank_job(ctx, phase, names, _hf_model)
 
 
 @pytest.mark.parametrize("rpn", [1, 2], ids=["2-ranks", "4-ranks"])

@@ -13,14 +13,14 @@ while they are pending, as it may in any real run.
 from __future__ import annotations
 
 import contextlib
-import warnings
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import pytest
 
-from harness import hold_copies_until_fenced, run_ranks
-from zoo import check_bit_exact, run_zoo
+from harness import run_ranks
+from zoo import check_bit_exact, rank_job, run_zoo
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -158,13 +158,7 @@ def _train_model(ctx, name: str, phase: str, device: str = "cpu") -> Dict[str, A
 
 
 def _job(ctx, phase: str, names: List[str], device: str = "cpu") -> Dict[str, Any]:
-    warnings.filterwarnings("ignore")
-    if phase == "faulty":
-        hold_copies_until_fenced()
-    results = {name: _train_model(ctx, name, phase, device) for name in names}
-    if phase == "faulty" and ctx.node == 1:
-        ctx.kill_self()  # node 1 is lost: its trainers die, its memory below
-    return results
+    return rank_job(ctx, phase, names, functools.partial(_train_model, device=device))
 
 
 @pytest.mark.parametrize("rpn", [1, 2], ids=["2-ranks", "4-ranks"])

@@ -19,12 +19,13 @@ import hashlib
 import pickle
 import random
 import shutil
+import warnings
 from typing import Any, Callable, Dict, List
 
 import numpy as np
 import torch
 
-from harness import KILLED, node_store_root
+from harness import KILLED, hold_copies_until_fenced, node_store_root
 
 
 def data(step: int, rank: int, micro: int = 0, shape=(8, 3, 6, 6)) -> torch.Tensor:
@@ -88,6 +89,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Token ids and labels, item i a function of i (a language model's data set)."""
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -180,6 +192,20 @@ def compile_eager(model: torch.nn.Module) -> Callable:
 
 
 # ---- the three runs and the verdict -------------------------------------------------------------
+
+
+def rank_job(ctx, phase: str, names: List[str], train: Callable[..., Dict[str, Any]]) -> Dict[str, Any]:
+    """One rank's part of a run: ``train(ctx, name, phase)`` for every model; in the run that
+    loses node 1, the saves' copies are held until the training thread fences them (the next
+    forward always runs while they are pending, as it may in any real run) and node 1's ranks
+    SIGKILL themselves after the last model."""
+    warnings.filterwarnings("ignore")
+    if phase == "faulty":
+        hold_copies_until_fenced()
+    results = {name: train(ctx, name, phase) for name in names}
+    if phase == "faulty" and ctx.node == 1:
+        ctx.kill_self()  # node 1 is lost: its trainers die, its memory below
+    return results
 
 
 def run_zoo(
