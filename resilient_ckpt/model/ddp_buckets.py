@@ -87,9 +87,10 @@ class BucketOutcome:
 def apply_bucket_layout(ddp: torch.nn.Module, layout: Optional[BucketLayout]) -> BucketOutcome:
     """Give ``ddp`` the buckets ``layout`` describes before its first step (collective over its
     process group: every rank applies the same layout, or none does)."""
-    params, expect_sparse = ddp._build_params_for_reducer()
-    problem = _unsupported(ddp, layout, len(params))
-    if not _agreed(ddp, params, None if problem else layout):
+    missing = [name for name in _PRIVATE if not hasattr(ddp, name)]
+    params, expect_sparse = ddp._build_params_for_reducer() if not missing else ([], False)
+    problem = _unsupported(ddp, layout, len(params), missing)
+    if not _agreed(ddp, None if problem else layout):
         return BucketOutcome(False, problem or f"DDP bucket order not restored (the ranks differ): {_DRIFT}")
     old = ddp.reducer
     first_cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", ddp.bucket_bytes_cap)
@@ -111,7 +112,12 @@ def apply_bucket_layout(ddp: torch.nn.Module, layout: Optional[BucketLayout]) ->
     for hook, state in getattr(ddp, "_comm_hooks", ()):
         dist._register_comm_hook(ddp.reducer, state, hook)
     setattr(ddp, _APPLIED, [list(b) for b in layout])
+    logger.debug("DDP reducer rebuilt with the checkpoint's buckets: %s", layout)
     return BucketOutcome(True, f"DDP gradient buckets as before the restart ({len(layout)} bucket(s))")
+
+
+#: DistributedDataParallel's own (private) steps that build its reducer
+_PRIVATE = ("_build_params_for_reducer", "_ddp_init_helper", "_build_debug_param_to_name_mapping")
 
 
 _DRIFT = (
@@ -120,30 +126,29 @@ _DRIFT = (
 )
 
 
-def _unsupported(ddp, layout: Optional[BucketLayout], n_params: int) -> Optional[str]:
+def _unsupported(ddp, layout: Optional[BucketLayout], n_params: int, missing: List[str]) -> Optional[str]:
     """Why this rank cannot apply ``layout`` (the whole sentence for the log), or None."""
     if not rebuilds_buckets(ddp):
         return "DDP keeps its initial buckets (find_unused_parameters=True): nothing to restore"
     if layout is None:
         return f"the checkpoint was taken before DDP rebuilt its gradient buckets: {_DRIFT}"
     why = None
-    if sorted(i for b in layout for i in b) != list(range(n_params)):
+    if missing:
+        why = f"torch {torch.__version__} lacks DistributedDataParallel.{missing[0]}"
+    elif sorted(i for b in layout for i in b) != list(range(n_params)):
         why = f"the recorded layout does not cover this model's {n_params} parameters"
     elif getattr(ddp, "mixed_precision", None) is not None:
         why = "DDP's mixed_precision option"
     elif getattr(ddp, "_use_python_reducer", False):
         why = "the Python reducer has no buckets to set"
-    else:
-        for name in ("_build_params_for_reducer", "_ddp_init_helper", "_build_debug_param_to_name_mapping"):
-            if not hasattr(ddp, name):
-                why = f"torch {torch.__version__} lacks DistributedDataParallel.{name}"
     return None if why is None else f"DDP bucket order not restored ({why}): {_DRIFT}"
 
 
-def _agreed(ddp, params, layout: Optional[BucketLayout]) -> bool:
-    """One MAX all-reduce of (digest, -digest) on the module's own group: equal everywhere."""
+def _agreed(ddp, layout: Optional[BucketLayout]) -> bool:
+    """One MAX all-reduce of (digest, -digest) on the module's own group: every rank has this
+    same layout (None on any rank: no)."""
     digest = -1 if layout is None else zlib.crc32(repr(layout).encode())
-    device = params[0].device if params else torch.device("cpu")
+    device = next(ddp.module.parameters(), torch.zeros(())).device  # NCCL: the module's GPU
     t = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
     low, high = -int(t[1]), int(t[0])
