@@ -343,6 +343,8 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         #: of the same structure reuses: manager.saving); None until then or after a failure
         self._structure = None
         self._in_flight: Deque[Tuple[int, Future]] = deque()
+        #: saves skipped on every rank because an earlier one was in flight (skip_if_busy)
+        self.saves_skipped = 0
         #: this rank's complete checkpoints' segments, kept mapped (GPU state: page-locked)
         #: until retired, when one becomes the next save's spare (manager.saving)
         self._own_segments: Dict[int, Segment] = {}

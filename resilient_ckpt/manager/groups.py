@@ -209,11 +209,11 @@ class GroupRenewal:
 
     # ---- the collective calls ------------------------------------------------------------------
 
-    def save_local(self, state_dict: Any, iteration: int, is_async: bool = True):
+    def save_local(self, state_dict: Any, iteration: int, is_async: bool = True, skip_if_busy: bool = False):
         handle = self._guarded(
-            super().save_local, state_dict, iteration, True, drain=False, counts_failure=False
+            super().save_local, state_dict, iteration, True, skip_if_busy, drain=False, counts_failure=False
         )
-        if not is_async:
+        if not is_async and handle is not None:
             # Waited for outside the guard: a failed save counts through its agreement.
             handle.wait_staged()
             handle.wait()

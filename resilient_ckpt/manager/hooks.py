@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 import torch
 
@@ -48,10 +49,20 @@ class CheckpointHook:
         optimizer: the optimizer whose ``step()`` waits for staging (default:
             ``state.optimizer``); with ``state_fn`` pass it, or call :meth:`wait_staged`
             yourself before mutating saved tensors.
+        when_busy: what a due save does while an earlier one is still copying, replicating
+            or agreeing. ``"queue"`` (default): one save waits behind the running one, a
+            third makes the step wait. ``"skip"``: the save is skipped on every rank (the
+            ranks vote in the save's one collective) and the next step saves instead — the
+            step never waits, and with ``every_n_steps=1`` checkpoints come as often as the
+            copies and the wire allow (``metrics.interval_steps`` says how often that is).
+            A save is due ``every_n_steps`` steps after the last one started.
 
     Attributes: ``saved_steps`` (steps at which a save was started, successful or not),
     ``failed_steps`` and ``failed_saves`` (saves that failed: the metric to alert on),
-    ``restored_from`` (the restore's metrics), ``restored_state`` (the restored state dict).
+    ``skipped_saves`` (due saves skipped, ``when_busy="skip"``), ``metrics`` (a
+    :class:`HookMetrics`: the achieved interval, the steps at risk; :meth:`register_prometheus`
+    exports it), ``restored_from`` (the restore's metrics), ``restored_state`` (the restored
+    state dict).
     """
 
     def __init__(
@@ -64,7 +75,13 @@ class CheckpointHook:
         raise_on_failure: bool = False,
         fallback_loader: Optional[Callable[[], Optional[int]]] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
+        when_busy: str = "queue",
     ):
+        if when_busy not in ("queue", "skip"):
+            raise ValidationError(
+                f"when_busy must be 'queue' (wait behind a running save) or 'skip' (skip the "
+                f"save, take the next step's), got {when_busy!r}"
+            )
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValidationError(
                 f"every_n_steps must be an int >= 1 (save after every N-th step), got {every_n_steps!r}"
@@ -82,6 +99,11 @@ class CheckpointHook:
         self.failed_saves = 0
         self.failed_steps: List[int] = []
         self.saved_steps: List[int] = []
+        self.when_busy = when_busy
+        self.skipped_saves = 0
+        self._last_started = -1  # the step of the last save started (every rank alike)
+        self._completed_step = -1  # the newest step whose save completed on every rank
+        self._last_step = -1  # the newest step seen by step()
         self.restored_from: Optional[Dict[str, Any]] = None
         self.restored_state: Any = None
         self._pending: List[SaveHandle] = []
@@ -95,27 +117,66 @@ class CheckpointHook:
     # ---- training loop side ------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
+        if self.when_busy == "skip":  # a skipped save is due again at the next step
+            return step - self._last_started >= self.every_n_steps
         return (step + 1) % self.every_n_steps == 0
 
     def step(self, step: int, state_fn: Optional[Callable[[], Any]] = None) -> Optional[SaveHandle]:
         """Call once per step, after the optimizer step. Saves when ``should_save(step)``.
 
-        Returns the save's handle (None when this step does not save or the save could not
-        start). Failures of earlier saves that finished meanwhile are reported here.
+        Returns the save's handle (None when this step does not save, the save was skipped
+        or could not start). Failures of earlier saves that finished meanwhile are reported
+        here.
         """
+        self._last_step = step
         self._collect_finished()
         if not self.should_save(step):
             return None
         fn = state_fn or self.state_fn or self.state.sharded_state_dict
-        self.saved_steps.append(step)
+        skip = {"skip_if_busy": True} if self.when_busy == "skip" else {}
         try:
-            handle = self.manager.save_local(fn, iteration=step)
+            handle = self.manager.save_local(fn, iteration=step, **skip)
         except CheckpointingException as e:
+            self.saved_steps.append(step)
+            self._last_started = step
             self._report([(step, e)])
             return None
+        if handle is None:  # skipped on every rank: an earlier save is still in flight
+            self.skipped_saves += 1
+            return None
+        self.saved_steps.append(step)
+        self._last_started = step
         self._last = handle
         self._pending.append(handle)
         return handle
+
+    @property
+    def metrics(self) -> "HookMetrics":
+        """What the checkpoints achieved so far (see :class:`HookMetrics`)."""
+        started = self.saved_steps
+        recent = started[-(HookMetrics.WINDOW + 1) :]
+        interval = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else 0.0
+        done = self._completed_step
+        return HookMetrics(
+            saves_started=len(started),
+            saves_skipped=self.skipped_saves,
+            saves_failed=self.failed_saves,
+            interval_steps=interval,
+            last_complete_step=done,
+            steps_at_risk=self._last_step - done if done >= 0 else self._last_step + 1,
+        )
+
+    def register_prometheus(self, registry: Any = None, prefix: str = "resilient_ckpt_") -> None:
+        """Export :attr:`metrics` as Prometheus gauges in ``registry`` (default: the
+        ``prometheus_client`` default registry, which ``start_http_server`` serves); values
+        are read when scraped."""
+        from prometheus_client import REGISTRY, Gauge
+
+        registry = REGISTRY if registry is None else registry
+        for name, what in HookMetrics.DESCRIPTIONS.items():
+            Gauge(prefix + name, what, registry=registry).set_function(
+                lambda name=name: float(getattr(self.metrics, name))
+            )
 
     def wait_staged(self) -> None:
         """Block until the latest save's copies are done (before mutating saved tensors).
@@ -146,7 +207,13 @@ class CheckpointHook:
     def _collect_finished(self) -> None:
         done = [h for h in self._pending if h.done()]
         self._pending = [h for h in self._pending if h not in done]
+        self._note_complete(done)
         self._report([(h.iteration, h.exception()) for h in done if h.exception() is not None])
+
+    def _note_complete(self, done: List[SaveHandle]) -> None:
+        ok = [h.iteration for h in done if h.exception() is None]
+        if ok:
+            self._completed_step = max(self._completed_step, *ok)
 
     def _report(self, failures) -> None:
         """Count and warn about every failure, then raise the first if asked to."""
@@ -173,6 +240,7 @@ class CheckpointHook:
                 h.wait()
             except CheckpointingException as e:
                 failures.append((h.iteration, e))
+        self._note_complete(pending)
         self._report(failures)
 
     # ---- start-up side ------------------------------------------------------------------------
@@ -225,6 +293,7 @@ class CheckpointHook:
             )
             return 0
         state, iteration = result
+        self._last_started = self._completed_step = self._last_step = iteration
         if self.state is not None:
             self.state.load_state_dict(state)
         self.restored_state = state
@@ -246,6 +315,38 @@ class CheckpointHook:
             if self._hook_handle is not None:
                 self._hook_handle.remove()
                 self._hook_handle = None
+
+
+@dataclass
+class HookMetrics:
+    """What a :class:`CheckpointHook`'s saves achieved (``hook.metrics``)."""
+
+    #: saves started (complete or failed), due saves skipped (``when_busy="skip"``), failed
+    saves_started: int = 0
+    saves_skipped: int = 0
+    saves_failed: int = 0
+    #: steps between the starts of the last ``WINDOW`` + 1 saves, on average (0: fewer than two)
+    interval_steps: float = 0.0
+    #: the newest step whose checkpoint completed on every rank (-1: none yet)
+    last_complete_step: int = -1
+    #: steps a failure now would cost: those after the newest complete checkpoint
+    steps_at_risk: int = 0
+
+    WINDOW: ClassVar[int] = 16
+    DESCRIPTIONS: ClassVar[Dict[str, str]] = {
+        "checkpoint_interval_steps": "Steps between the last local checkpoints started (achieved interval)",
+        "saves_skipped": "Due local checkpoints skipped because an earlier one was still in flight",
+        "saves_failed": "Local checkpoints that failed",
+        "last_complete_step": "Newest step with a local checkpoint complete on every rank",
+        "steps_at_risk": "Steps a failure now would lose (after the newest complete checkpoint)",
+    }
+
+    @property
+    def checkpoint_interval_steps(self) -> float:
+        return self.interval_steps
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
 
 
 def resume_message(session: str, iteration: int, metrics: Any = None, buckets: Any = None) -> str:

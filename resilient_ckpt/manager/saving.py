@@ -183,17 +183,27 @@ class SavePath:
     _replicated_bps: float = 0.0  # the last save's replication rate
     _staged_bps: float = 0.0  # the last save's copy rate into its segment
 
-    def save_local(self, state_dict: Any, iteration: int, is_async: bool = True) -> SaveHandle:
+    def save_local(
+        self, state_dict: Any, iteration: int, is_async: bool = True, skip_if_busy: bool = False
+    ) -> Optional[SaveHandle]:
         """Snapshot ``state_dict`` (a sharded state dict, an MCoreTensorAwareStateDict, or a
         callable returning one — preferred in loops: if it raises on some ranks, every rank
         still fails this save together instead of waiting for a timeout).
 
         Returns once the copies have started (``is_async``) or once the checkpoint is complete
         on every rank. Collective on the first call (distribution, checkpoint group).
+
+        ``skip_if_busy``: where an earlier save is still copying, replicating or agreeing on
+        any rank, this one is skipped on every rank alike (None is returned, and counted in
+        ``saves_skipped``) instead of waiting for it; a state function is then not called on
+        a rank that is busy itself. Decided in the save's one structure vote (see
+        :meth:`_prepare`), so it costs no collective of its own.
         """
         t0 = time.perf_counter()
         locked0 = pinning.locked_by_this_thread()
-        self._bound_queue()
+        busy = skip_if_busy and self._busy()
+        if not skip_if_busy:
+            self._bound_queue()
         group = self._ckpt_group()
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
         try:
@@ -201,7 +211,12 @@ class SavePath:
             # a collection meanwhile would walk the trainer's whole heap, repeatedly. One pause
             # for the whole call (see gc_pause: what it keeps skips the young generations).
             with paused_gc():
-                state_dict, probe, cached = self._prepare(state_dict, iteration)
+                state_dict, probe, cached = self._prepare(
+                    state_dict, iteration, busy if skip_if_busy else None
+                )
+                if probe is None:  # skipped on every rank: some rank was busy
+                    self.saves_skipped += 1
+                    return None
                 if cached and probe.parts is not None:
                     self._stage_cached(probe, iteration, staged)
                 else:
@@ -234,11 +249,15 @@ class SavePath:
             handle.wait()
         return handle
 
-    def _prepare(self, state_dict: Any, iteration: int) -> Tuple[Any, "_Probe", bool]:
+    def _prepare(
+        self, state_dict: Any, iteration: int, busy: Optional[bool] = None
+    ) -> Tuple[Any, Optional["_Probe"], bool]:
         """Stage 1: the state (a state function is called here), the iteration checked, the
         structure vote; the first save of a job that did not restore retires an earlier run's
         newer data. Returns the state, this rank's probe and whether every rank's structure
         cache covers its state (then the save needs no other collective on this thread).
+        ``busy`` (skip-if-busy saves: whether an earlier save is in flight here) is voted on
+        too; the probe is None when some rank was busy: every rank skips this save.
 
         Every save of a sharded state dict votes, in one all-reduce that also carries
         failures: a rank whose state function or arguments fail takes every rank out of the
@@ -250,27 +269,33 @@ class SavePath:
         probe = _Probe()
         local: Optional[BaseException] = None
         try:
-            if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
+            if busy:
+                pass  # skipped on every rank whatever the others vote: nothing to build
+            elif callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
                 # Built here so a rank whose state function raises still queues its (failed)
                 # job and votes: peers are told at once and job numbering stays in step.
                 state_dict = state_dict()
             self._check_iteration(iteration)
-            if not _is_tasd(state_dict):
+            if not busy and not _is_tasd(state_dict):
                 with paused_gc():  # one object per shard, none of them garbage (see below)
                     probe = self._probe(state_dict)
         except BaseException as e:
             local = e
-        cached = False
+        cached, ready = False, True
         try:
+            what = f"preparing the save of iteration {iteration}"
             if self._kind != "tasd":  # the same on every rank: every save is of the same kind
-                what = f"preparing the save of iteration {iteration}"
-                cached = collectives.agree_or_fail(local, probe.covered, what, control)
+                cached, ready = collectives.votes_or_fail(local, (probe.covered, not busy), what, control)
+            elif busy is not None:  # a tensor-aware state dict saved only if every rank is idle
+                (ready,) = collectives.votes_or_fail(local, (not busy,), what, control)
             elif local is not None:
                 raise local  # this rank alone: the save's agreement counts it (manager.groups)
+            if not ready:
+                return state_dict, None, False
             if not self._restored and not self._started:
                 self._retire_earlier_run(iteration, control)
         except BaseException:
-            if self._kind != "tasd" or local is None:
+            if self._kind != "tasd" or busy is not None or local is None:
                 self._failed_together()  # a vote's outcome: raised on every rank at this call
             raise
         self._started = True
@@ -519,6 +544,11 @@ class SavePath:
                 f"{self._last_saved}); iterations going backwards would overwrite newer state — "
                 "pass the training step, which only grows"
             )
+
+    def _busy(self) -> bool:
+        """Whether a save of this rank is still in flight (copying, replicating, agreeing)."""
+        with self._lock:
+            return any(not f.done() for _, f in self._in_flight)
 
     def _bound_queue(self) -> None:
         with self._lock:

@@ -209,19 +209,24 @@ def broadcast_msgpack(obj: Any, src: int, group: Optional[dist.ProcessGroup] = N
     return all_gather_msgpack(obj if group_rank(group) == src else None, group)[src]
 
 
-@_phase_marked
 def all_reduce_int(value: int, op: str, group: Optional[dist.ProcessGroup] = None) -> int:
     """MIN / MAX / SUM of one int64 across the group: the cheap agreement primitive."""
+    return all_reduce_ints((value,), op, group)[0]
+
+
+@_phase_marked
+def all_reduce_ints(values: Sequence[int], op: str, group: Optional[dist.ProcessGroup] = None) -> List[int]:
+    """:func:`all_reduce_int` of several ints at once, element by element (one call)."""
     if group_size(group) == 1:
-        return int(value)
+        return [int(v) for v in values]
     ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-    t = torch.tensor([int(value)], dtype=torch.int64, device=comm_device(group))
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=comm_device(group))
     t0 = time.monotonic()
     try:
         dist.all_reduce(t, op=ops[op], group=group)
     except RuntimeError as e:
         raise _wrap(e, f"all_reduce({op})", group, time.monotonic() - t0) from e
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def all_agree(ok: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -273,14 +278,30 @@ def agree_or_fail(
     """:func:`fail_together` that also carries a vote: True on every rank iff no rank failed
     and every rank passed ``agree=True`` — in the same one all-reduce (a failure costs the
     second collective, the messages, as in :func:`fail_together`)."""
+    return votes_or_fail(local, (agree,), what, group)[0]
+
+
+def votes_or_fail(
+    local: Optional[BaseException],
+    votes: Sequence[bool],
+    what: str,
+    group: Optional[dist.ProcessGroup] = None,
+) -> List[bool]:
+    """:func:`agree_or_fail` of several independent votes in the one all-reduce: for each, True
+    on every rank iff no rank failed and every rank voted True (a bit per vote, the minimum
+    over the group; bit 0 says no rank failed)."""
     if group_size(group) == 1:
         if local is not None:
             raise local
-        return agree
-    # 0: this rank failed; 1: no; 2: yes. The minimum says whether anyone failed, then the vote.
-    verdict = all_reduce_int(0 if local is not None else 2 if agree else 1, "min", group)
-    if verdict > 0:
-        return verdict == 2
+        return [bool(v) for v in votes]
+    if len(votes) > 62:
+        raise ValueError("votes_or_fail: at most 62 votes fit in one int64")
+    mine = 0 if local is not None else 1 + sum(2 << i for i, v in enumerate(votes) if v)
+    # MIN does not combine bits: a vote's bit survives only if every rank set it, so each
+    # rank sends its bits spread over separate all-reduce slots (one tensor, one call).
+    flags = all_reduce_ints([mine & 1] + [(mine >> (i + 1)) & 1 for i in range(len(votes))], "min", group)
+    if flags[0]:
+        return [bool(f) for f in flags[1:]]
     errors = all_gather_msgpack("" if local is None else describe(local), group)
     _raise_together(errors, what, local, group)
     raise AssertionError("unreachable: a rank voted failure without an error")  # pragma: no cover
