@@ -13,11 +13,18 @@ during saves and restores and fails on a floating-point one.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["bits", "copy_bits", "foreach_copy_bits", "foreach_copy_run_bits"]
+__all__ = [
+    "bits",
+    "copy_bits",
+    "foreach_copy_bits",
+    "foreach_copy_run_bits",
+    "foreach_copy_views",
+    "run_bits",
+]
 
 #: element size -> the integer dtype of that size
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -61,29 +68,48 @@ def foreach_copy_bits(
     torch._foreach_copy_([bits(d) for d in dsts], [bits(s) for s in srcs], non_blocking=non_blocking)
 
 
+def run_bits(srcs: Sequence[torch.Tensor], dtype: torch.dtype) -> Optional[List[torch.Tensor]]:
+    """Each of ``srcs`` (one ``dtype``) viewed as integers of its element's size, one call
+    each (integer sources as they are); None where a view cannot be had: complex128 (16-byte
+    elements) or a source whose bytes are not its values (a lazy negative or conjugate view:
+    ``view`` refuses it). Staging keeps these across saves of the same tensors."""
+    if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        return list(srcs)
+    target = _INT_OF_SIZE.get(dtype.itemsize)
+    if target is None:
+        return None
+    try:
+        return [s.view(target) for s in srcs]
+    except RuntimeError:  # a negative / conjugate view among them
+        return None
+
+
 def foreach_copy_run_bits(
     int_dsts: Sequence[torch.Tensor],
     srcs: Sequence[torch.Tensor],
     dtype: torch.dtype,
     non_blocking: bool = False,
+    src_bits: Optional[Sequence[torch.Tensor]] = None,
 ) -> None:
     """:func:`foreach_copy_bits` for a run of one ``dtype`` whose destinations are already
     integer views of its element's size (staging's views of a segment): the integer dtype is
-    found once and each source viewed with one call. At 50,000 small tensors the per-tensor
-    checks of :func:`bits` cost twice the copy itself. A source whose bytes are not its values
-    (a lazy negative or conjugate view: ``view`` refuses it) takes the general path."""
+    found once and each source viewed with one call (:func:`run_bits`), or not at all where
+    the caller kept them (``src_bits``). At 50,000 small tensors the per-tensor checks of
+    :func:`bits` cost twice the copy itself. Sources without such views take the general path."""
     if not int_dsts:
         return
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        target = _INT_OF_SIZE.get(dtype.itemsize)
-        if target is None:  # complex128: views of its own shape (see bits)
-            foreach_copy_bits(int_dsts, srcs, non_blocking)
-            return
-        try:
-            src_bits = [s.view(target) for s in srcs]
-        except RuntimeError:  # a negative / conjugate view among them
-            foreach_copy_bits(int_dsts, srcs, non_blocking)
-            return
-    else:
-        src_bits = list(srcs)
-    torch._foreach_copy_(list(int_dsts), src_bits, non_blocking=non_blocking)
+    if src_bits is None:
+        src_bits = run_bits(srcs, dtype)
+    if src_bits is None:
+        foreach_copy_bits(int_dsts, srcs, non_blocking)
+        return
+    foreach_copy_views(int_dsts, src_bits, non_blocking)
+
+
+def foreach_copy_views(
+    int_dsts: Sequence[torch.Tensor], int_srcs: Sequence[torch.Tensor], non_blocking: bool = False
+) -> None:
+    """One ``_foreach_copy_`` between integer views made by :func:`bits` (or
+    :func:`run_bits`) and kept by the caller: nothing is checked or viewed per tensor."""
+    if int_dsts:
+        torch._foreach_copy_(list(int_dsts), list(int_srcs), non_blocking=non_blocking)

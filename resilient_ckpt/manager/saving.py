@@ -45,7 +45,7 @@ from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution, fingerprint_records, structure_fingerprint
 from ..parallel.hollow import HollowEncoding, encode_hollow
 from ..parallel.opaque_state_dict import OpaqueStateDict
-from ..parallel.snapshot import SnapshotParts, snapshot_parts
+from ..parallel.snapshot import SnapshotParts, same_shards, snapshot_parts
 from ..parallel.template import preprocess, sharded_leaves
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.replicator import SealingReplicator
@@ -112,20 +112,29 @@ class _SnapshotCache:
     saved: Tuple[int, ...]  # the stored mask (``stored_mask``: 2 for a rank-local shard)
     layouts: List[TensorLayout]
     total: int
-    plan: RunPlan  # the dense runs, whose views the prefetcher makes ahead in the next segment
+    #: the dense runs (the prefetcher makes their views ahead in the next segment) and what
+    #: staging derived from the last save's tensors (kept while they are the same objects)
+    plan: RunPlan
+    #: the last save's parts (raw skeleton, ShardedTensors, their data: what the next save
+    #: compares with first) and its saved tensors' device types
+    last: Optional[SnapshotParts] = None
+    devices: List[str] = field(default_factory=list)
     saved_index: List[int] = field(init=False)
 
     def __post_init__(self):
         self.saved_index = [i for i, s in enumerate(self.saved) if s]
 
     def covers(self, parts: SnapshotParts) -> bool:
-        """``parts`` has exactly the structure this cache was made for."""
-        enc = self.encoding
-        return (
-            parts.rows == enc.rows
-            and parts.skeleton == enc.skeleton
+        """``parts`` has exactly the structure this cache was made for (and becomes the last
+        save's: its shards are what the next save compares with first)."""
+        same = (
+            parts.raw_skeleton == self.last.raw_skeleton
+            and same_shards(parts, self.last, self.encoding.rows)
             and [object_record(o) for o in parts.objects] == self.objects
         )
+        if same:
+            self.last = parts
+        return same
 
 
 @dataclass
@@ -161,6 +170,7 @@ class _Probe:
     #: covered plain state: the tensors this rank saves and their device types
     tensors: List[Any] = field(default_factory=list)
     devices: List[str] = field(default_factory=list)
+    same_sources: bool = False  # the same tensor objects as the last save's (RunPlan)
 
 
 @dataclass
@@ -311,9 +321,12 @@ class SavePath:
                 return _Probe(parts=parts)
             shards = parts.shards
             tensors = [shards[i].data for i in snap.saved_index]
-            devices = _device_types(tensors)
+            same = snap.plan.same_sources(tensors)  # then their devices are the last save's too
+            devices = snap.devices if same else _device_types(tensors)
+            snap.devices = devices
             # A tensor on the meta device: the general path names the error, on every rank.
-            return _Probe(parts=parts, covered="meta" not in devices, tensors=tensors, devices=devices)
+            covered = "meta" not in devices
+            return _Probe(parts=parts, covered=covered, tensors=tensors, devices=devices, same_sources=same)
         pre = preprocess(state_dict)
         sharded = pre[0]
         key = structure_fingerprint(*sharded_leaves(sharded))
@@ -364,14 +377,16 @@ class SavePath:
         the cached saves that follow (:meth:`_stage_cached`)."""
         tensors = list(tasd.tensors)
         layouts, total, runs = plan_layout_runs([(t.dtype, t.shape) for t in tensors])
-        self._start_copies(tensors, layouts, total, runs, iteration, staged)
+        plan = RunPlan(runs, layouts)
+        self._start_copies(tensors, layouts, total, plan, iteration, staged)
         if parts is not None and self._kind == "dict" and self._structure is not None:
             # Encoded from the parts, tensors left in place (no pop and re-insert).
-            enc = tasd.hollow_encoding(self.options.allow_pickle, parts, _device_types(tensors))
+            devices = _device_types(tensors)
+            enc = tasd.hollow_encoding(self.options.allow_pickle, parts, devices)
             meta = enc.meta
             objects = [object_record(o) for o in parts.objects]
             self._structure.snapshot = _SnapshotCache(
-                enc, objects, tasd.stored_mask, layouts, total, RunPlan(runs, layouts)
+                enc, objects, tasd.stored_mask, layouts, total, plan, parts, devices
             )
         else:
             popped = tasd.pop_tensors()
@@ -389,8 +404,25 @@ class SavePath:
         assert self._structure is not None and self._structure.snapshot is not None
         cache = self._structure.snapshot
         parts, tensors, devices = probe.parts, probe.tensors, probe.devices
-        self._start_copies(tensors, cache.layouts, cache.total, cache.plan.runs, iteration, staged)
         enc = cache.encoding
+
+        def start() -> None:
+            self._start_copies(
+                tensors,
+                cache.layouts,
+                cache.total,
+                cache.plan,
+                iteration,
+                staged,
+                devices,
+                probe.same_sources,
+            )
+
+        # CPU state: encoded before the copies start, which take the memory bandwidth; GPU
+        # state: the copies go first (the device moves the bytes meanwhile).
+        gpu = "cuda" in devices
+        if gpu:
+            start()
         meta = encode_hollow(
             parts.common,
             enc.skeleton_bytes,
@@ -400,11 +432,25 @@ class SavePath:
             devices,
             self.options.allow_pickle,
         )
+        if not gpu:
+            start()
         staged.header = self._header(iteration, cache.layouts, cache.total, meta)
         staged.cached = True
 
-    def _start_copies(self, tensors, layouts, total: int, runs, iteration: int, staged: "_Staged") -> None:
-        on_gpu = _gpu_bytes(tensors, layouts)
+    def _start_copies(
+        self,
+        tensors,
+        layouts,
+        total: int,
+        plan: RunPlan,
+        iteration: int,
+        staged: "_Staged",
+        devices: Optional[List[str]] = None,
+        same_sources: Optional[bool] = None,
+    ) -> None:
+        """Reserve the segment (or have the staging thread do it) and start the copies through
+        ``plan`` (``devices``, ``same_sources``: what the probe already knows of ``tensors``)."""
+        on_gpu = _gpu_bytes(tensors, layouts, devices)
         if on_gpu and not self._prefetcher.pin:
             # GPU state: from now on segments are page-locked ahead, off the save's path (a
             # complete one stays locked across saves: it becomes the spare when retired).
@@ -426,10 +472,14 @@ class SavePath:
         if snapshot and not self._prefetcher.has_ready(total):
             # Nothing made ahead (the first save after a start, a new size): the GPU copy
             # ends the stall; reserving the segment waits for the staging thread.
-            staged.staging = self._stager.stage(tensors, segment, layouts, runs, device_snapshot=True)
+            staged.staging = self._stager.stage(
+                tensors, segment, layouts, plan, device_snapshot=True, same_sources=same_sources
+            )
             return
         staged.segment = segment()
-        staged.staging = self._stager.stage(tensors, staged.segment, layouts, runs, device_snapshot=snapshot)
+        staged.staging = self._stager.stage(
+            tensors, staged.segment, layouts, plan, device_snapshot=snapshot, same_sources=same_sources
+        )
 
     def _device_snapshot(self, pinned_ready: bool, on_gpu: Dict[Any, int]) -> bool:
         """Stage the GPU tensors through a copy within the GPU first? ``"always"``; ``"auto"``:
@@ -895,15 +945,17 @@ def _plain_parts(state_dict: Any) -> Optional[SnapshotParts]:
     if callable(state_dict) or isinstance(state_dict, TensorAwareStateDict):
         return None
     parts = snapshot_parts(state_dict)
-    if parts is None or any(st.data is None for st in parts.shards):
-        return None
-    return parts
+    return parts if parts is not None and parts.holds_data() else None
 
 
-def _gpu_bytes(tensors: Sequence[torch.Tensor], layouts: Sequence[TensorLayout]) -> Dict[Any, int]:
-    """Bytes to stage per CUDA device (empty for CPU state: the common case, checked first)."""
+def _gpu_bytes(
+    tensors: Sequence[torch.Tensor], layouts: Sequence[TensorLayout], devices: Optional[List[str]] = None
+) -> Dict[Any, int]:
+    """Bytes to stage per CUDA device (empty for CPU state: the common case, checked first,
+    from the device types where the caller has them)."""
     out: Dict[Any, int] = {}
-    if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
+    on_gpu = "cuda" in devices if devices is not None else any(t.is_cuda for t in tensors)
+    if on_gpu and torch.cuda.is_available():
         for t, lay in zip(tensors, layouts):
             if t.is_cuda:
                 out[t.device] = out.get(t.device, 0) + lay.nbytes

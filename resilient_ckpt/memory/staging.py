@@ -23,6 +23,7 @@ is fine.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..bits import bits, foreach_copy_bits, foreach_copy_run_bits
+from ..bits import bits, foreach_copy_bits, foreach_copy_run_bits, run_bits
 from ..gc_pause import paused_gc
 from .layout import DenseRun, TensorLayout, dense_runs
 from .segment import Segment
@@ -185,13 +186,17 @@ class Stager:
         tensors: Sequence[torch.Tensor],
         segment: Union[Segment, Callable[[], Segment]],
         layouts: Sequence[TensorLayout],
-        runs: Optional[Sequence[DenseRun]] = None,
+        plan: Optional["RunPlan"] = None,
         device_snapshot: bool = False,
+        same_sources: Optional[bool] = None,
     ) -> StagingHandle:
-        """Start copying ``tensors`` into ``segment`` at ``layouts``. ``runs``: the layouts'
-        :func:`dense_runs` when the caller has them cached. Each run's destination views are
-        made in one call and filled with one ``_foreach_copy_`` per device (a few Python calls
-        per tensor cost more than the bytes at 50,000 small tensors).
+        """Start copying ``tensors`` into ``segment`` at ``layouts``. ``plan``: the layouts'
+        :class:`RunPlan` when the caller keeps one across saves: where it saw the same tensors
+        before (:meth:`RunPlan.same_sources`), nothing is derived per tensor again. Each run's
+        destination views are made in one call (or ahead, by the prefetcher) and filled with
+        one ``_foreach_copy_`` per device (a few Python calls per tensor cost more than the
+        bytes at 50,000 small tensors). ``same_sources``: the caller already asked the plan
+        about ``tensors``.
 
         CUDA sources go to the segment on a side stream: asynchronously when it is
         page-locked; with ``device_snapshot``, through a copy within the GPU first (the sources
@@ -200,21 +205,12 @@ class Stager:
         called on the staging thread (with a device snapshot nothing else needs it sooner).
         Nothing is page-locked here."""
         started = time.perf_counter()
-        if runs is None:
-            runs = dense_runs(layouts)
-        dests = _Destinations(runs, tensors, layouts)
-        cuda: List[_Item] = []
-        cpu: List[_Item] = []
-        for k, run in enumerate(runs):
-            srcs = [tensors[i] for i in run.indexes]
-            on_cuda = [t.is_cuda for t in srcs]
-            if not any(on_cuda):
-                cpu.append((k, None, srcs))
-            elif all(on_cuda):
-                cuda.append((k, None, srcs))
-            else:  # a mixed run: each device's tensors separately, through their own views
-                for j, (src, dev) in enumerate(zip(srcs, on_cuda)):
-                    (cuda if dev else cpu).append((k, j, [src]))
+        if plan is None:
+            plan = RunPlan(dense_runs(layouts), layouts)
+        if same_sources is None:
+            plan.same_sources(tensors)
+        dests = _Destinations(plan.runs, tensors, layouts)
+        cuda, cpu, src_bits = plan.items(tensors)
         now = segment if isinstance(segment, Segment) else None
         if now is None and cuda and not device_snapshot:
             now = segment = segment()  # type: ignore[operator]
@@ -231,7 +227,7 @@ class Stager:
                         down.append((item, _snapshot(srcs)))
                     else:
                         assert now is not None
-                        _copy_run(dests.of(now, item), srcs, non_blocking=now.pinned)
+                        _copy_run(dests.of(now, item), srcs, non_blocking=now.pinned, src_bits=src_bits(item))
                     for src in srcs:
                         # Keep the caching allocator from reusing src's memory before the copy.
                         src.record_stream(stream)
@@ -242,7 +238,9 @@ class Stager:
         # Every copy on the staging thread, in offset order: it tells how far it came.
         prefix = StagedPrefix() if cpu and not cuda and not down and all(i[1] is None for i in cpu) else None
         if cpu or down or now is None:
-            future = self._pool.submit(_finish, segment, dests, cpu, down, self._stream, cpu_read, prefix)
+            future = self._pool.submit(
+                _finish, segment, dests, cpu, down, self._stream, cpu_read, prefix, src_bits
+            )
             future.add_done_callback(lambda _f: cpu_read.set())  # however the job ended
             if prefix is not None:
                 future.add_done_callback(lambda _f: prefix.close())
@@ -284,15 +282,16 @@ def run_views(segment: Segment, runs: Sequence[DenseRun], likes: Sequence[Sequen
         return [_views(run_region(segment, run), like) for run, like in zip(runs, likes)]
 
 
-def _copy_run(dst, srcs: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
+def _copy_run(dst, srcs: Sequence[torch.Tensor], non_blocking: bool = False, src_bits=None) -> None:
     """Copy ``srcs`` (one dtype) into ``dst``: a flat region (viewed in one call) or its
-    views (integer views: ``_views`` makes no other kind)."""
+    views (integer views: ``_views`` makes no other kind). ``src_bits``: the sources' integer
+    views, where the plan keeps them."""
     if srcs:
-        foreach_copy_run_bits(_views(dst, srcs), srcs, srcs[0].dtype, non_blocking=non_blocking)
+        foreach_copy_run_bits(_views(dst, srcs), srcs, srcs[0].dtype, non_blocking, src_bits)
 
 
 def _copy_run_in_pieces(
-    dst, srcs: Sequence[torch.Tensor], sizes: Sequence[int], start: int, prefix: StagedPrefix
+    dst, srcs: Sequence[torch.Tensor], sizes: Sequence[int], start: int, prefix: StagedPrefix, src_bits=None
 ) -> None:
     """:func:`_copy_run` of a CPU run starting at byte ``start`` of its segment, about
     :data:`PIECE_BYTES` at a time (a tensor is never split), saying after each piece how far
@@ -308,7 +307,9 @@ def _copy_run_in_pieces(
         while j < len(srcs) and (j == i or n < PIECE_BYTES):
             n += sizes[j]
             j += 1
-        foreach_copy_run_bits(views[i:j], srcs[i:j], dtype)
+        foreach_copy_run_bits(
+            views[i:j], srcs[i:j], dtype, src_bits=None if src_bits is None else src_bits[i:j]
+        )
         i, pos = j, pos + n
         prefix.advance(pos)
 
@@ -331,6 +332,24 @@ def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.
 
 #: (run index, position in a mixed run or None for the whole run, its sources)
 _Item = Tuple[int, Optional[int], List[torch.Tensor]]
+
+
+def _classify(runs: Sequence[DenseRun], tensors: Sequence[torch.Tensor]) -> Tuple[List[_Item], List[_Item]]:
+    """Each run's sources as CUDA or CPU items (a mixed run: each tensor an item of its own,
+    copied through its own view)."""
+    cuda: List[_Item] = []
+    cpu: List[_Item] = []
+    for k, run in enumerate(runs):
+        srcs = [tensors[i] for i in run.indexes]
+        on_cuda = [t.is_cuda for t in srcs]
+        if not any(on_cuda):
+            cpu.append((k, None, srcs))
+        elif all(on_cuda):
+            cuda.append((k, None, srcs))
+        else:
+            for j, (src, dev) in enumerate(zip(srcs, on_cuda)):
+                (cuda if dev else cpu).append((k, j, [src]))
+    return cuda, cpu
 
 
 class _Destinations:
@@ -366,7 +385,14 @@ class _Destinations:
 
 
 def _finish(
-    segment, dests: _Destinations, cpu: Sequence[_Item], down, stream, cpu_read=None, prefix=None
+    segment,
+    dests: _Destinations,
+    cpu: Sequence[_Item],
+    down,
+    stream,
+    cpu_read=None,
+    prefix=None,
+    src_bits: Callable[[_Item], Optional[List[torch.Tensor]]] = lambda item: None,
 ) -> Segment:
     """The staging thread's part: reserve the segment if the caller did not, copy the CPU
     tensors (then set ``cpu_read``: the CPU sources may change), bring the device snapshot
@@ -381,12 +407,15 @@ def _finish(
         with torch.no_grad(), paused_gc():
             if prefix is None:
                 for item in cpu:
-                    _copy_run(dests.of(segment, item), item[2])
+                    _copy_run(dests.of(segment, item), item[2], src_bits=src_bits(item))
             else:
                 for item in sorted(cpu, key=dests.offset):
                     start = dests.offset(item)
                     prefix.advance(start)  # the alignment gap before this run
-                    _copy_run_in_pieces(dests.of(segment, item), item[2], dests.sizes(item), start, prefix)
+                    sizes = dests.sizes(item)
+                    _copy_run_in_pieces(
+                        dests.of(segment, item), item[2], sizes, start, prefix, src_bits(item)
+                    )
     finally:
         if cpu_read is not None:
             cpu_read.set()  # on failure too: the waiter then finds the future's exception
@@ -404,13 +433,63 @@ def _finish(
 
 
 class RunPlan:
-    """A layout's dense runs and, made once on first use (in the prefetcher's thread), a meta
-    tensor per tensor of the shape to view: what preparing a segment's views needs."""
+    """A layout's dense runs and what staging derives from them, kept across saves of one
+    structure: made once on first use (in the prefetcher's thread), a meta tensor per tensor
+    of the shape to view (what preparing a segment's views needs); and, for the tensors the
+    last save staged, their items (which runs go to which device) and their integer views.
+
+    The tensors of a training loop are the same objects save after save (changed in place):
+    :meth:`same_sources` tells, from their identity and storage address, that what was derived
+    from them still holds, so a cached save does no per-tensor work on its sources. The plan
+    holds those tensors (and views of their storage) until the structure changes or the
+    manager closes."""
 
     def __init__(self, runs: Sequence[DenseRun], layouts: Sequence[TensorLayout]):
         self.runs = runs
         self._layouts = layouts
         self._likes: Optional[List[List[torch.Tensor]]] = None
+        self._sources: Optional[List[torch.Tensor]] = None
+        self._addresses: Optional[List[int]] = None
+        #: (CUDA items, CPU items, per-run integer views of their sources) of ``_sources``:
+        #: the views are made by whichever thread copies a run first, into this generation's
+        #: dict (a save of new sources starts a new one: no thread writes into another's)
+        self._derived: Optional[Tuple[List[_Item], List[_Item], Dict[int, List[torch.Tensor]]]] = None
+
+    def same_sources(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are the very tensors the last save through this plan staged,
+        at the same storage (``Tensor.data_ptr``: a ``.data`` swap or a re-allocation moves
+        it — the old storage stays alive in the kept views, so no other tensor can take its
+        address); otherwise they are kept for the next save to compare with."""
+        prev = self._sources
+        addresses = [t.data_ptr() for t in tensors]
+        if prev is not None and len(prev) == len(tensors) and all(map(operator.is_, prev, tensors)):
+            if addresses == self._addresses:
+                return True
+        self._sources, self._addresses, self._derived = list(tensors), addresses, None
+        return False
+
+    def items(self, tensors: Sequence[torch.Tensor]):
+        """``(cuda items, cpu items, src_bits)`` for staging ``tensors``, which the plan was
+        last asked about (:meth:`same_sources`): derived once per set of sources;
+        ``src_bits(item)`` gives an item's integer source views (kept in the plan; None for a
+        mixed run's single tensors)."""
+        if self._derived is None:
+            self._derived = (*_classify(self.runs, tensors), {})
+        cuda, cpu, kept = self._derived
+        runs = self.runs
+
+        def src_bits(item: _Item) -> Optional[List[torch.Tensor]]:
+            k, j, srcs = item
+            if j is not None:
+                return None
+            views = kept.get(k)
+            if views is None:
+                views = run_bits(srcs, runs[k].dtype)
+                if views is not None:
+                    kept[k] = views
+            return views
+
+        return cuda, cpu, src_bits
 
     def likes(self) -> List[List[torch.Tensor]]:
         if self._likes is None:

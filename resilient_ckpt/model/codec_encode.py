@@ -56,6 +56,8 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 _NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
 
 _NATIVE = frozenset((str, bytes, float, bool, type(None)))
+#: lists longer than this whose items are all native are packed by msgpack in one call
+_BULK = 16
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -215,6 +217,9 @@ class _Encoder:
                 "cycle?); flatten it"
             )
         if t is list:
+            if len(x) > _BULK and set(map(type, x)) <= _NATIVE:
+                p.pack(x)  # the same bytes, packed in C (a saved tensor's device type each)
+                return
             p.pack_array_header(len(x))
             self.enc_items(x, depth)
             return

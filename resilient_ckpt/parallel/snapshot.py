@@ -10,8 +10,10 @@ path (:func:`.template.preprocess`) would give.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from itertools import repeat
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..model import shard_table
 from ..model.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, is_factory
@@ -31,13 +33,97 @@ class SnapshotParts:
     (only our ShardedTensor / ShardedObject leaves, no factories, no LocalNonpersistentObject,
     str keys above every sharded leaf). ``skeleton`` and ``rows`` equal
     :func:`hollow_parts` of the general path's sharded tree and ``common`` its common part, so
-    a save that finds them unchanged reuses everything derived from them."""
+    a save that finds them unchanged reuses everything derived from them. ``rows`` are made
+    when first asked for: a save that finds its shards unchanged by :func:`same_shards`
+    never needs them."""
 
     common: Any = None
-    skeleton: Any = None
-    rows: List[tuple] = field(default_factory=list)
+    #: the skeleton as the walk found it: a layer of only ShardedTensors is a :class:`Layer`
+    #: (compared by its keys, in order, without a dict of them being made)
+    raw_skeleton: Any = None
     shards: List[ShardedTensor] = field(default_factory=list)
     objects: List[ShardedObject] = field(default_factory=list)
+    _rows: Optional[List[tuple]] = None
+    _skeleton: Any = None
+    _data: Optional[List[Any]] = None
+
+    @property
+    def data(self) -> List[Any]:
+        """Each shard's ``data`` (made once)."""
+        if self._data is None:
+            self._data = list(map(_DATA, self.shards))
+        return self._data
+
+    def holds_data(self) -> bool:
+        """Every shard has its tensor (none is None)."""
+        return not any(map(operator.is_, self.data, repeat(None)))
+
+    @property
+    def rows(self) -> List[tuple]:
+        if self._rows is None:
+            self._rows = shard_rows(self.shards)
+        return self._rows
+
+    @property
+    def skeleton(self) -> Any:
+        """The skeleton as ``hollow_parts`` gives it (layers made into dicts, when first asked)."""
+        if self._skeleton is None:
+            self._skeleton = _dicts_of_layers(self.raw_skeleton)
+        return self._skeleton
+
+
+class Layer:
+    """A dict of only ShardedTensors (a model's state dict) in a raw skeleton: its keys, in
+    order, and the index of its first shard — it stands for ``{key: start + i}``."""
+
+    __slots__ = ("keys", "start")
+
+    def __init__(self, keys: List[str], start: int):
+        self.keys = keys
+        self.start = start
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is Layer and self.start == other.start and self.keys == other.keys
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def as_dict(self) -> dict:
+        return dict(zip(self.keys, range(self.start, self.start + len(self.keys))))
+
+
+def _dicts_of_layers(x: Any) -> Any:
+    if type(x) is Layer:
+        return x.as_dict()
+    if isinstance(x, dict):
+        return {k: _dicts_of_layers(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_dicts_of_layers(v) for v in x]
+    return x
+
+
+def shard_rows(shards: Sequence[ShardedTensor]) -> List[tuple]:
+    """Every shard's table row (:func:`..model.shard_table.shard_row`)."""
+    return list(map(shard_table.shard_row, shards))
+
+
+_DATA = operator.attrgetter("data")
+
+
+def same_shards(new: "SnapshotParts", old: "SnapshotParts", old_rows: Sequence[tuple]) -> bool:
+    """Whether ``new``'s shards describe exactly those of ``old`` (whose rows are ``old_rows``).
+
+    A training loop saves the same tensors again, wrapped in fresh ShardedTensors (Megatron's
+    ``sharded_state_dict()``) or in the very same ones (``TrainState``). Fresh wrappers of the
+    same tensor objects are compared field by field at C speed (``vars`` dicts: the ``data``
+    fields are identical objects, which compare equal without a tensor comparison); anything
+    else — the same wrapper objects, whose fields may have been changed in place, or other
+    tensor objects — by their rows."""
+    if len(new.shards) != len(old.shards):
+        return False
+    fresh = not any(map(operator.is_, new.shards, old.shards))
+    if fresh and all(map(operator.is_, new.data, old.data)):
+        return list(map(vars, new.shards)) == list(map(vars, old.shards))
+    return new.rows == old_rows
 
 
 def snapshot_parts(sharded_state_dict: Any) -> Optional[SnapshotParts]:
@@ -46,7 +132,7 @@ def snapshot_parts(sharded_state_dict: Any) -> Optional[SnapshotParts]:
         return None
     parts = SnapshotParts()
     try:
-        parts.skeleton, parts.common = _split_strip(sharded_state_dict, parts)
+        parts.raw_skeleton, parts.common = _split_strip(sharded_state_dict, parts)
     except _NotPlain:
         return None
     return parts
@@ -78,42 +164,54 @@ def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
     """``split(x, is_sharded)`` of the structural copy ``preprocess`` makes (plain dicts and
     lists), with the sharded side's leaves replaced as in :func:`hollow_parts`. (Leaf tests
     are inlined: this runs once per leaf of every cached save.)"""
-    shards, rows, objects, row = parts.shards, parts.rows, parts.objects, shard_table.shard_row
     if isinstance(x, dict):
-        match: dict = {}
-        rest: dict = {}
-        for k, v in x.items():
-            t = type(v)
-            if t is ShardedTensor:
+        return _split_dict(x, parts)
+    return _split_list(x, parts)
+
+
+def _split_dict(x: dict, parts: SnapshotParts) -> Tuple[Any, Any]:
+    shards, objects = parts.shards, parts.objects
+    if len(x) > 1 and _only_shards(x):
+        # A layer of ShardedTensors (a model's state dict): taken in bulk.
+        n = len(shards)
+        shards.extend(x.values())
+        return Layer(list(x), n), {}
+    match: dict = {}
+    rest: dict = {}
+    for k, v in x.items():
+        t = type(v)
+        if t is ShardedTensor:
+            _check_key(k)
+            match[k] = len(shards)
+            shards.append(v)
+        elif t is ShardedObject:
+            _check_key(k)
+            objects.append(v)
+            match[k] = -len(objects)
+        elif isinstance(v, (dict, list)):
+            m, r = _split_strip(v, parts)
+            if nonempty(m):
                 _check_key(k)
-                match[k] = len(rows)
-                shards.append(v)
-                rows.append(row(v))
-            elif t is ShardedObject:
-                _check_key(k)
-                objects.append(v)
-                match[k] = -len(objects)
-            elif isinstance(v, (dict, list)):
-                m, r = _split_strip(v, parts)
-                if nonempty(m):
-                    _check_key(k)
-                    match[k] = m
-                if nonempty(r) or not v:
-                    rest[k] = r
-            elif _special(v):
-                raise _NotPlain
-            else:
-                rest[k] = v
-        return match, rest
+                match[k] = m
+            if nonempty(r) or not v:
+                rest[k] = r
+        elif _special(v):
+            raise _NotPlain
+        else:
+            rest[k] = v
+    return match, rest
+
+
+def _split_list(x: list, parts: SnapshotParts) -> Tuple[Any, Any]:
+    shards, objects = parts.shards, parts.objects
     match_l: list = []
     rest_l: list = []
     for v in x:
         t = type(v)
         if t is ShardedTensor:
-            match_l.append(len(rows))
+            match_l.append(len(shards))
             rest_l.append(HOLE)
             shards.append(v)
-            rows.append(row(v))
         elif t is ShardedObject:
             objects.append(v)
             match_l.append(-len(objects))
@@ -132,6 +230,15 @@ def _split_strip(x: Any, parts: SnapshotParts) -> Tuple[Any, Any]:
             match_l.append(HOLE)
             rest_l.append(v)
     return (match_l if nonempty(match_l) else []), rest_l
+
+
+def _only_shards(x: dict) -> bool:
+    """Every value of ``x`` a ShardedTensor and every key a str (see :func:`_check_key`)."""
+    return set(map(type, x.values())) == _SHARD_TYPE and set(map(type, x)) == _STR_TYPE
+
+
+_SHARD_TYPE = {ShardedTensor}
+_STR_TYPE = {str}
 
 
 def _check_key(k: Any) -> None:
