@@ -34,11 +34,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..bits import copy_bits, foreach_copy_bits
+from ..bits import bits, copy_bits, foreach_copy_views
 from ..errors import ValidationError
 from ..gc_pause import paused_gc
 from .ddp_buckets import BucketOutcome, apply_bucket_layout, bucket_layout, find_ddp
 from .mapping import ShardedObject, ShardedTensor
+from .state_reuse import ModuleWatch, OptimizerWatch, group_entries
 
 
 def _dtensor_class():
@@ -108,6 +109,7 @@ class BufferSnapshots:
 
     def __init__(self):
         self._copies: Dict[str, torch.Tensor] = {}
+        self._views: Tuple[List[torch.Tensor], List[torch.Tensor]] = ([], [])
 
     def copy(self, buffers: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Copies of ``buffers`` (name -> tensor), refilled in one fused copy (a model with
@@ -119,8 +121,15 @@ class BufferSnapshots:
                 c = torch.empty_like(t, memory_format=torch.contiguous_format)
             copies[name] = c
         self._copies = copies
-        foreach_copy_bits(list(copies.values()), [t.detach() for t in buffers.values()])
+        # Integer views of both sides, kept for refill(): the same buffers at the next save.
+        self._views = ([bits(c) for c in copies.values()], [bits(t.detach()) for t in buffers.values()])
+        self.refill()
         return copies
+
+    def refill(self) -> None:
+        """Copy the buffers last given to :meth:`copy` into their copies again (the caller
+        knows they are the same tensors: ``TrainState``'s watches)."""
+        foreach_copy_views(*self._views)
 
 
 def model_sharded(
@@ -160,6 +169,12 @@ class TrainState:
 
     After a restore, ``ddp_buckets`` says what became of DDP's gradient buckets (None: the
     model is not DDP-wrapped).
+
+    Saves after the first reuse the sharded state dict they built (its ShardedTensors, the
+    same objects save after save) as long as the model and optimizer hold the same tensors
+    (:mod:`.state_reuse` checks it at C speed before each save; values may change): a save's
+    state dict then costs a small fraction of the copies of the bytes, whatever the tensor
+    count. Do not change the dict :meth:`sharded_state_dict` returns: the next save reuses it.
     """
 
     def __init__(
@@ -183,6 +198,8 @@ class TrainState:
         self.ddp = ddp if ddp is not None else find_ddp(model)
         self.ddp_buckets: Optional[BucketOutcome] = None
         self._buffers = BufferSnapshots()
+        self._reuse: Optional[_Reuse] = None
+        self._reusable = True  # False once the watches refused this model or optimizer
         for name, obj in self.stateful.items():
             if not (
                 callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
@@ -220,13 +237,7 @@ class TrainState:
         # One ShardedTensor per tensor, none of them garbage: a collection meanwhile would walk
         # the trainer's whole heap, repeatedly (see gc_pause).
         with paused_gc():
-            model = self.model.state_dict()
-            model = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
-            out: Dict[str, Any] = {
-                "model": model_sharded(model, "model", dp_rank, buffer_names(self.model), self._buffers)
-            }
-            if self.optimizer is not None:
-                out["optimizer"] = self._optimizer_sharded(dp_rank)
+            out = self._reused() or self._tensor_state(dp_rank)
         if self.lr_scheduler is not None:
             out["lr_scheduler"] = self.lr_scheduler.state_dict()
         per_rank: Dict[str, Any] = {"extra": dict(self.extra)}
@@ -238,6 +249,31 @@ class TrainState:
             per_rank["ddp_buckets"] = bucket_layout(self.ddp)
         out["per_rank"] = ShardedObject("per_rank", per_rank, (world,), (rank,))
         return out
+
+    def _tensor_state(self, dp_rank: int) -> Dict[str, Any]:
+        """Model and optimizer as sharded state dicts, built; kept for the next save when the
+        watches can vouch for them (:meth:`_reused`)."""
+        model = self.model.state_dict()
+        model = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+        out: Dict[str, Any] = {
+            "model": model_sharded(model, "model", dp_rank, buffer_names(self.model), self._buffers)
+        }
+        if self.optimizer is not None:
+            out["optimizer"] = self._optimizer_sharded(dp_rank)
+        if self._reusable:
+            self._reuse = _Reuse.make(self.model, model, self.optimizer, out, self._param_names())
+            self._reusable = self._reuse is not None
+        return out
+
+    def _reused(self) -> Optional[Dict[str, Any]]:
+        """The last save's model and optimizer state, if they still describe what the model and
+        optimizer hold: buffers copied again, hyper-parameters and non-tensor state read now."""
+        reuse = self._reuse
+        if reuse is None or not reuse.unchanged():
+            self._reuse = None
+            return None
+        self._buffers.refill()
+        return reuse.now(self.optimizer)
 
     def restore_template(self) -> Dict[str, Any]:
         """The sharded state dict to restore into, laid out for this job (a resharded restore
@@ -328,6 +364,48 @@ class TrainState:
             g["params"] = [index[n] for n in g["params"]]
             groups.append(g)
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+class _Reuse:
+    """A TrainState's last model and optimizer sharded state dicts and the watches that tell
+    whether they still hold (see :mod:`.state_reuse`)."""
+
+    def __init__(self, module: ModuleWatch, optimizer: Optional[OptimizerWatch], out: Dict[str, Any], names):
+        self.module = module
+        self.optimizer = optimizer
+        self.model = out["model"]
+        self.optimizer_state = out.get("optimizer")
+        if optimizer is not None:
+            state = self.optimizer_state["state"]
+            #: the output dict each non-tensor state value goes to, and per group its names
+            self.value_targets = [state[names[id(p)]] for p in optimizer.value_params]
+            self.group_names = [list(g["params"]) for g in self.optimizer_state["param_groups"]]
+
+    @classmethod
+    def make(cls, model, model_state, optimizer, out, names) -> Optional["_Reuse"]:
+        module = ModuleWatch.of(model, model_state)
+        if module is None:
+            return None
+        watch = None
+        if optimizer is not None:
+            watch = OptimizerWatch.of(optimizer)
+            if watch is None:
+                return None
+        return cls(module, watch, out, names)
+
+    def unchanged(self) -> bool:
+        return self.module.unchanged() and (self.optimizer is None or self.optimizer.unchanged())
+
+    def now(self, optimizer) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"model": self.model}
+        if self.optimizer is not None:
+            for target, key, value in zip(
+                self.value_targets, self.optimizer.value_keys, self.optimizer.values()
+            ):
+                target[key] = value
+            state = self.optimizer_state["state"]
+            out["optimizer"] = {"state": state, "param_groups": group_entries(optimizer, self.group_names)}
+        return out
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
