@@ -123,6 +123,7 @@ def _rank_skips_together(ctx, steps: int, held_until: int):
             if hook.step(step) is not None:
                 started.append(step)
             if step == held_until and ctx.rank == 1:
+                assert hold.held.wait(timeout=60), "save 0 never reached its agreement"
                 hold.release.set()
         hook.finish()
         held_steps_ran = hold.held.is_set()

@@ -93,11 +93,11 @@ from ..model.ddp_buckets import apply_bucket_layout, bucket_layout, find_ddp
 from ..model.mapping import ShardedObject
 from ..model.torch_state import (
     BufferSnapshots,
+    ShardedTensorCache,
     buffer_names,
     capture_rng_state,
     model_sharded,
     restore_rng_state,
-    to_sharded_tensor,
 )
 from .world import check_world
 
@@ -351,6 +351,7 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
         #: the DDP module whose bucket layout each save keeps (set by the callback)
         self.ddp: Optional[torch.nn.Module] = None
         self._buffers = BufferSnapshots()
+        self._shards = ShardedTensorCache()  # the last save's ShardedTensors, for the next
 
     @property
     def local_ckpt_manager(self) -> Any:
@@ -536,7 +537,7 @@ class HierarchicalCheckpointIO(_WrappingCheckpointIO):
                 "implement to_tensor_aware_state_dict/from_tensor_aware_state_dict in a subclass "
                 "(as nvidia-resiliency-ext requires), or pass a resilient_ckpt CheckpointManager"
             )
-        return lightning_to_sharded(checkpoint, self.rank_local, self._buffers, self.ddp)
+        return lightning_to_sharded(checkpoint, self.rank_local, self._buffers, self.ddp, self._shards)
 
     def from_tensor_aware_state_dict(self, tensor_aware_checkpoint: Any, **kwargs: Any) -> Dict[str, Any]:
         """Lightning's checkpoint dict from what ``load_local`` restored."""
@@ -586,21 +587,27 @@ def lightning_to_sharded(
     rank_local: Set[str] = frozenset(),
     snapshots: Optional[BufferSnapshots] = None,
     ddp: Optional[torch.nn.Module] = None,
+    cache: Optional[ShardedTensorCache] = None,
 ) -> Dict[str, Any]:
     """Lightning's checkpoint dict as a sharded state dict (see the module docstring):
     ``rank_local`` names the module's buffers (copied into ``snapshots``), ``ddp`` the DDP
-    module whose bucket layout is kept."""
+    module whose bucket layout is kept; ``cache`` gives the same tensors the ShardedTensors of
+    the save before (Lightning detaches every tensor again at each save)."""
     rank, world = _dp_rank_world()
     out: Dict[str, Any] = {}
     model = checkpoint.get("state_dict")
     optimizers = checkpoint.get("optimizer_states")
+    cache = cache if cache is not None else ShardedTensorCache()
     with paused_gc():  # a ShardedTensor per tensor, none of them garbage (see gc_pause)
         if model is not None:
             out["state_dict"] = model_sharded(
-                model, "state_dict", rank, rank_local, snapshots or BufferSnapshots()
+                model, "state_dict", rank, rank_local, snapshots or BufferSnapshots(), cache
             )
         if optimizers is not None:
-            out["optimizer_states"] = [_optimizer_sharded(i, osd, rank) for i, osd in enumerate(optimizers)]
+            out["optimizer_states"] = [
+                _optimizer_sharded(i, osd, rank, cache) for i, osd in enumerate(optimizers)
+            ]
+        cache.end()
     rest = {k: v for k, v in checkpoint.items() if k not in _REPLICATED}
     per_rank: Dict[str, Any] = {"checkpoint": rest, "rng": capture_rng_state()}
     if ddp is not None:
@@ -609,10 +616,10 @@ def lightning_to_sharded(
     return out
 
 
-def _optimizer_sharded(i: int, osd: Dict[str, Any], rank: int) -> Dict[str, Any]:
+def _optimizer_sharded(i: int, osd: Dict[str, Any], rank: int, cache: ShardedTensorCache) -> Dict[str, Any]:
     state = {
         idx: {
-            k: to_sharded_tensor(f"optimizer_states.{i}.state.{idx}.{k}", v, rank)
+            k: cache.get(f"optimizer_states.{i}.state.{idx}.{k}", v, rank)
             if isinstance(v, torch.Tensor)
             else v
             for k, v in values.items()

@@ -102,6 +102,9 @@ class ModuleWatch(_Watch):
             if not _plain_module(m):
                 return None
             p = prefix + "." if prefix else ""
+            attrs = vars(m)  # the containers themselves may be replaced, not only changed
+            for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+                w.entry(attrs, name, attrs[name])
             w.container(m._non_persistent_buffers_set)
             w.sequence(m._modules.values())
             for held in (m._parameters, m._buffers):
@@ -142,9 +145,11 @@ class OptimizerWatch(_Watch):
             return None
         w = cls()
         groups = optimizer.param_groups
-        w.container(groups)
-        w.sequence(groups)
         state = optimizer.state
+        attrs = vars(optimizer)  # load_state_dict replaces both
+        w.entry(attrs, "param_groups", groups)
+        w.entry(attrs, "state", state)
+        w.sequence(groups)
         # Keyed by parameter: compared as its keys and values in order (no tensor hashing).
         w.container(state)
         w.sequence(state.keys())
