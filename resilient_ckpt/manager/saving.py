@@ -356,6 +356,7 @@ class SavePath:
             parallelization_group=group,
             validation_group=self._control_group(),
             parts=probe.parts,
+            preprocessed=probe.preprocessed,  # a state dict that is not plain: walked once
         )
         # A plain state dict's later saves compare its one-walk parts instead (the snapshot
         # cache): its digest (another 50k records) is made only if a general-path save asks.

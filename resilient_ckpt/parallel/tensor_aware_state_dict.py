@@ -148,6 +148,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         *,
         validation_group: Optional[dist.ProcessGroup] = None,
         parts: Optional[SnapshotParts] = None,
+        preprocessed: Optional[Tuple[Any, Any, Any, Any]] = None,
     ) -> Tuple["MCoreTensorAwareStateDict", Optional[ShardDistribution]]:
         """Split common/sharded state; with ``fully_parallel`` keep only the shards this rank
         saves (balanced across ``parallelization_group``).
@@ -161,14 +162,17 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         group (a checkpoint manager passes its own, so a stuck peer surfaces after the
         manager's timeout and the job's own groups are never used). ``parts`` (our extension):
         :func:`snapshot_parts` of ``sharded_state_dict``, when the caller has them: the tree is
-        then rebuilt from them instead of walked again."""
+        then rebuilt from them instead of walked again; ``preprocessed``: its
+        :func:`preprocess`, when the caller made it (a state dict that is not plain)."""
         fully_parallel = check_algo(algo)
         group = collectives.default_group(parallelization_group)
         n = collectives.group_size(group)
         distribution = None
         if cached_metadata is not None:
             return cls.from_validated(
-                preprocess(sharded_state_dict), cached_metadata if fully_parallel else None, group
+                preprocessed or preprocess(sharded_state_dict),
+                cached_metadata if fully_parallel else None,
+                group,
             )
 
         local_exc: Optional[BaseException] = None
@@ -179,7 +183,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             if parts is not None:
                 sharded, common, shards, objects = from_parts(parts)
             else:
-                sharded, common, _nonpersistent, _factories = preprocess(sharded_state_dict)
+                sharded, common, _nonpersistent, _factories = preprocessed or preprocess(sharded_state_dict)
                 shards, objects = sharded_leaves(sharded)
             _check_not_meta(shards)
         except Exception as e:  # reported to every rank by the planning collectives
