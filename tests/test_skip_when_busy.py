@@ -161,3 +161,24 @@ def test_every_rank_skips_and_saves_at_the_same_steps(tmp_root):
     assert m["saves_started"] == len(started) and m["saves_skipped"] == first["skipped"]
     assert m["interval_steps"] == pytest.approx((started[-1] - started[0]) / (len(started) - 1))
     assert m["last_complete_step"] == started[-1] and m["steps_at_risk"] == steps - 1 - started[-1]
+
+
+def test_a_long_run_of_saves_keeps_nothing_per_save(tmp_root):
+    """Saving every step for many steps holds what one save needs, not what every save left:
+    finished saves leave the in-flight queue even when no save ever waits for them (skip
+    mode), and a retired checkpoint's parsed header (megabytes at 50k tensors) leaves the
+    store's header cache (keep_last=1: the trainer's memory stayed flat only up to 64 of them)."""
+    state = _state()
+    with CheckpointManager("long", store_root=str(tmp_root), replication_factor=1, keep_last=1) as m:
+        hook = CheckpointHook(m, every_n_steps=1, state=state, when_busy="skip")
+        for step in range(80):
+            _train_step(state)
+            hook.step(step)
+            if step % 2:
+                hook.finish()  # half the saves complete before the next step, half not
+        hook.finish()
+        assert len(m._in_flight) <= 1
+        m.find_latest()  # reads (and caches) the newest header
+        assert len(m.store._parsed) <= 2, sorted(p.name for p in m.store._parsed)
+        assert len(hook.saved_steps) > 40
+        hook.close()

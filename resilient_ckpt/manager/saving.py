@@ -45,10 +45,11 @@ from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution, fingerprint_records, structure_fingerprint
 from ..parallel.hollow import HollowEncoding, encode_hollow
 from ..parallel.opaque_state_dict import OpaqueStateDict
-from ..parallel.snapshot import SnapshotParts, same_shards, snapshot_parts
+from ..parallel.snapshot import SnapshotParts, same_shards, shard_fields, snapshot_parts
 from ..parallel.template import preprocess, sharded_leaves
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.replicator import SealingReplicator
+from ..thread_pools import release_later
 from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
 
@@ -120,20 +121,23 @@ class _SnapshotCache:
     last: Optional[SnapshotParts] = None
     devices: List[str] = field(default_factory=list)
     saved_index: List[int] = field(init=False)
+    fields: List[tuple] = field(init=False)  # the shards' metadata (``shard_fields``)
 
     def __post_init__(self):
         self.saved_index = [i for i, s in enumerate(self.saved) if s]
+        self.fields = shard_fields(self.last.shards)
 
     def covers(self, parts: SnapshotParts) -> bool:
         """``parts`` has exactly the structure this cache was made for (and becomes the last
         save's: its shards are what the next save compares with first)."""
         same = (
             parts.raw_skeleton == self.last.raw_skeleton
-            and same_shards(parts, self.last, self.encoding.rows)
+            and same_shards(parts, self.last, self.fields)
             and [object_record(o) for o in parts.objects] == self.objects
         )
         if same:
-            self.last = parts
+            self.last, old = parts, [self.last]
+            release_later(old)  # the save before's wrappers, freed off the training thread
         return same
 
 
@@ -597,9 +601,12 @@ class SavePath:
             )
 
     def _busy(self) -> bool:
-        """Whether a save of this rank is still in flight (copying, replicating, agreeing)."""
+        """Whether a save of this rank is still in flight (copying, replicating, agreeing);
+        finished ones leave the queue here (their handles report them)."""
         with self._lock:
-            return any(not f.done() for _, f in self._in_flight)
+            while self._in_flight and self._in_flight[0][1].done():
+                self._in_flight.popleft()
+            return bool(self._in_flight)
 
     def _bound_queue(self) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ import torch
 
 from ..bits import bits, foreach_copy_bits, foreach_copy_run_bits, run_bits
 from ..gc_pause import paused_gc
+from ..thread_pools import release_later
 from .layout import DenseRun, TensorLayout, dense_runs
 from .segment import Segment
 from .store import CheckpointStore
@@ -330,6 +331,8 @@ def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.
     return out
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+
 #: (run index, position in a mixed run or None for the whole run, its sources)
 _Item = Tuple[int, Optional[int], List[torch.Tensor]]
 
@@ -461,11 +464,13 @@ class RunPlan:
         it — the old storage stays alive in the kept views, so no other tensor can take its
         address); otherwise they are kept for the next save to compare with."""
         prev = self._sources
-        addresses = [t.data_ptr() for t in tensors]
+        addresses = list(map(_DATA_PTR, tensors))
         if prev is not None and len(prev) == len(tensors) and all(map(operator.is_, prev, tensors)):
             if addresses == self._addresses:
                 return True
+        old = [self._sources, self._derived]
         self._sources, self._addresses, self._derived = list(tensors), addresses, None
+        release_later(old)  # the last tensors and their views, freed off the training thread
         return False
 
     def items(self, tensors: Sequence[torch.Tensor]):

@@ -469,10 +469,19 @@ class CheckpointStore:
 
     # ---- retire ------------------------------------------------------------------------------
 
+    def _unpublish(self, cid: CheckpointId) -> None:
+        """Remove ``cid``'s header file and forget its parsed header (a header of 50k tensors
+        is megabytes: retired ones must not stay in the cache until 64 newer ones push them
+        out — with ``keep_last=1`` that was a trainer's memory growing save after save)."""
+        path = self.header_path(cid)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        with self._parsed_lock:
+            self._parsed.pop(path, None)
+
     def discard(self, cid: CheckpointId, recycle: bool = True) -> None:
         """Unpublish (header first, so no reader takes it as complete) and recycle the data."""
-        with contextlib.suppress(FileNotFoundError):
-            self.header_path(cid).unlink()
+        self._unpublish(cid)
         data = self.data_path(cid)
         if not data.exists():
             return
@@ -489,8 +498,7 @@ class CheckpointStore:
         renamed to a reservation of this process (other processes' pools never take it) and
         the segment moved with it, ready to be written again. False (nothing done but the
         header) if its data is gone."""
-        with contextlib.suppress(FileNotFoundError):
-            self.header_path(cid).unlink()
+        self._unpublish(cid)
         path = self.free_dir / f"rsv_{os.getpid()}_{time.time_ns()}_{next(_UNIQUE)}.data"
         try:
             os.replace(self.data_path(cid), path)

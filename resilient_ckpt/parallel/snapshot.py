@@ -109,21 +109,43 @@ def shard_rows(shards: Sequence[ShardedTensor]) -> List[tuple]:
 _DATA = operator.attrgetter("data")
 
 
-def same_shards(new: "SnapshotParts", old: "SnapshotParts", old_rows: Sequence[tuple]) -> bool:
-    """Whether ``new``'s shards describe exactly those of ``old`` (whose rows are ``old_rows``).
+#: every field of a ShardedTensor but its data, read at C speed (what :func:`same_shards`
+#: compares where the wrappers' ``vars`` cannot be)
+_FIELDS = operator.attrgetter(
+    "key",
+    "dtype",
+    "local_shape",
+    "global_shape",
+    "global_offset",
+    "axis_fragmentations",
+    "replica_id",
+    "prepend_axis_num",
+    "allow_shape_mismatch",
+    "rank_local",
+)
+
+
+def shard_fields(shards: Sequence[ShardedTensor]) -> List[tuple]:
+    """Every shard's metadata fields, for :func:`same_shards`."""
+    return list(map(_FIELDS, shards))
+
+
+def same_shards(new: "SnapshotParts", old: "SnapshotParts", old_fields: Sequence[tuple]) -> bool:
+    """Whether ``new``'s shards describe exactly those of ``old`` (whose
+    :func:`shard_fields` are ``old_fields``).
 
     A training loop saves the same tensors again, wrapped in fresh ShardedTensors (Megatron's
     ``sharded_state_dict()``) or in the very same ones (``TrainState``). Fresh wrappers of the
     same tensor objects are compared field by field at C speed (``vars`` dicts: the ``data``
     fields are identical objects, which compare equal without a tensor comparison); anything
     else — the same wrapper objects, whose fields may have been changed in place, or other
-    tensor objects — by their rows."""
+    tensor objects — by their fields read again."""
     if len(new.shards) != len(old.shards):
         return False
     fresh = not any(map(operator.is_, new.shards, old.shards))
     if fresh and all(map(operator.is_, new.data, old.data)):
         return list(map(vars, new.shards)) == list(map(vars, old.shards))
-    return new.rows == old_rows
+    return shard_fields(new.shards) == old_fields
 
 
 def snapshot_parts(sharded_state_dict: Any) -> Optional[SnapshotParts]:
