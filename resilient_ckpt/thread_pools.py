@@ -56,15 +56,3 @@ def _wait_at(gate: threading.Barrier) -> None:
         gate.wait(timeout=10)
     except threading.BrokenBarrierError:  # pragma: no cover - a thread failed to start
         pass
-
-
-#: where :func:`release_later` drops what it is given
-_RELEASE = LazyThreadPool("resilient_ckpt-release")
-
-
-def release_later(holder: list) -> None:
-    """Drop the items of ``holder`` on a background thread instead of the caller's: what a save
-    kept from the save before (50,000 ShardedTensors, views, tensors) is freed object by
-    object, which costs tens of milliseconds a training thread need not spend. The caller
-    hands over its only references (``holder`` is emptied there)."""
-    _RELEASE.get(1).submit(holder.clear)

@@ -45,11 +45,10 @@ from ..parallel import collectives
 from ..parallel.distribution import ShardDistribution, fingerprint_records, structure_fingerprint
 from ..parallel.hollow import HollowEncoding, encode_hollow
 from ..parallel.opaque_state_dict import OpaqueStateDict
-from ..parallel.snapshot import SnapshotParts, same_shards, shard_fields, snapshot_parts
+from ..parallel.snapshot import SnapshotParts, shard_fields, snapshot_parts
 from ..parallel.template import preprocess, sharded_leaves
 from ..parallel.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from ..replication.replicator import SealingReplicator
-from ..thread_pools import release_later
 from .metrics import SaveHandle, SaveMetrics
 from .restore import gather_holdings
 
@@ -116,29 +115,24 @@ class _SnapshotCache:
     #: the dense runs (the prefetcher makes their views ahead in the next segment) and what
     #: staging derived from the last save's tensors (kept while they are the same objects)
     plan: RunPlan
-    #: the last save's parts (raw skeleton, ShardedTensors, their data: what the next save
-    #: compares with first) and its saved tensors' device types
-    last: Optional[SnapshotParts] = None
+    #: the structure's raw skeleton and its shards' metadata (``shard_fields``: nothing of the
+    #: caller's tensors or wrappers is held), and the last save's tensors' device types
+    raw_skeleton: Any = None
+    fields: List[tuple] = field(default_factory=list)
     devices: List[str] = field(default_factory=list)
     saved_index: List[int] = field(init=False)
-    fields: List[tuple] = field(init=False)  # the shards' metadata (``shard_fields``)
 
     def __post_init__(self):
         self.saved_index = [i for i, s in enumerate(self.saved) if s]
-        self.fields = shard_fields(self.last.shards)
 
     def covers(self, parts: SnapshotParts) -> bool:
-        """``parts`` has exactly the structure this cache was made for (and becomes the last
-        save's: its shards are what the next save compares with first)."""
-        same = (
-            parts.raw_skeleton == self.last.raw_skeleton
-            and same_shards(parts, self.last, self.fields)
+        """``parts`` has exactly the structure this cache was made for: the same skeleton, every
+        shard's metadata read at C speed (``shard_fields``) and every object's record equal."""
+        return (
+            parts.raw_skeleton == self.raw_skeleton
+            and shard_fields(parts.shards) == self.fields
             and [object_record(o) for o in parts.objects] == self.objects
         )
-        if same:
-            self.last, old = parts, [self.last]
-            release_later(old)  # the save before's wrappers, freed off the training thread
-        return same
 
 
 @dataclass
@@ -391,7 +385,15 @@ class SavePath:
             meta = enc.meta
             objects = [object_record(o) for o in parts.objects]
             self._structure.snapshot = _SnapshotCache(
-                enc, objects, tasd.stored_mask, layouts, total, plan, parts, devices
+                enc,
+                objects,
+                tasd.stored_mask,
+                layouts,
+                total,
+                plan,
+                parts.raw_skeleton,
+                shard_fields(parts.shards),
+                devices,
             )
         else:
             popped = tasd.pop_tensors()

@@ -26,6 +26,7 @@ import logging
 import operator
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -33,7 +34,6 @@ import torch
 
 from ..bits import bits, foreach_copy_bits, foreach_copy_run_bits, run_bits
 from ..gc_pause import paused_gc
-from ..thread_pools import release_later
 from .layout import DenseRun, TensorLayout, dense_runs
 from .segment import Segment
 from .store import CheckpointStore
@@ -332,6 +332,7 @@ def _snapshot(srcs: Sequence[torch.Tensor]) -> List[Tuple[List[int], List[torch.
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_DEREF = weakref.ref.__call__
 
 #: (run index, position in a mixed run or None for the whole run, its sources)
 _Item = Tuple[int, Optional[int], List[torch.Tensor]]
@@ -444,53 +445,66 @@ class RunPlan:
     The tensors of a training loop are the same objects save after save (changed in place):
     :meth:`same_sources` tells, from their identity and storage address, that what was derived
     from them still holds, so a cached save does no per-tensor work on its sources. The plan
-    holds those tensors (and views of their storage) until the structure changes or the
-    manager closes."""
+    refers to the last save's tensors weakly; only once the same tensors come back does it keep
+    what it derived from them (integer views: their storage, which the tensors hold anyway)
+    until the structure changes or the manager closes — a caller that brings new tensors at
+    every save is never made to keep the old ones (nor to free them in its next save)."""
 
     def __init__(self, runs: Sequence[DenseRun], layouts: Sequence[TensorLayout]):
         self.runs = runs
         self._layouts = layouts
         self._likes: Optional[List[List[torch.Tensor]]] = None
-        self._sources: Optional[List[torch.Tensor]] = None
+        self._refs: Optional[List[weakref.ref]] = None  # the last save's tensors, weakly
         self._addresses: Optional[List[int]] = None
-        #: (CUDA items, CPU items, per-run integer views of their sources) of ``_sources``:
-        #: the views are made by whichever thread copies a run first, into this generation's
-        #: dict (a save of new sources starts a new one: no thread writes into another's)
+        #: (CUDA items, CPU items, per-run integer views) of tensors seen at two saves in a
+        #: row: the views are made by whichever thread copies a run first, into this
+        #: generation's dict (new tensors start a new one: no thread writes into another's)
         self._derived: Optional[Tuple[List[_Item], List[_Item], Dict[int, List[torch.Tensor]]]] = None
 
     def same_sources(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether ``tensors`` are the very tensors the last save through this plan staged,
-        at the same storage (``Tensor.data_ptr``: a ``.data`` swap or a re-allocation moves
-        it — the old storage stays alive in the kept views, so no other tensor can take its
-        address); otherwise they are kept for the next save to compare with."""
-        prev = self._sources
-        addresses = list(map(_DATA_PTR, tensors))
-        if prev is not None and len(prev) == len(tensors) and all(map(operator.is_, prev, tensors)):
-            if addresses == self._addresses:
+        """Whether ``tensors`` are the very tensors the last save through this plan staged, at
+        the same storage (``Tensor.data_ptr``: a ``.data`` swap or a re-allocation moves it —
+        the old storage stays alive in the kept views, so no other tensor can take its
+        address), with what was derived from them kept: then nothing is derived again."""
+        prev = self._refs
+        if (
+            prev is not None
+            and len(prev) == len(tensors)
+            and all(map(operator.is_, map(_DEREF, prev), tensors))
+        ):
+            addresses = list(map(_DATA_PTR, tensors))
+            if self._derived is not None and addresses == self._addresses:
                 return True
-        old = [self._sources, self._derived]
-        self._sources, self._addresses, self._derived = list(tensors), addresses, None
-        release_later(old)  # the last tensors and their views, freed off the training thread
+            # The same tensors again: a training loop's. From now on what staging derives from
+            # them is kept (a .data swap since: derived again, from the new storage).
+            self._addresses = addresses
+            self._derived = (*_classify(self.runs, tensors), {})
+            return False
+        self._refs = list(map(weakref.ref, tensors))
+        self._addresses = self._derived = None
         return False
 
     def items(self, tensors: Sequence[torch.Tensor]):
         """``(cuda items, cpu items, src_bits)`` for staging ``tensors``, which the plan was
-        last asked about (:meth:`same_sources`): derived once per set of sources;
-        ``src_bits(item)`` gives an item's integer source views (kept in the plan; None for a
-        mixed run's single tensors)."""
-        if self._derived is None:
-            self._derived = (*_classify(self.runs, tensors), {})
-        cuda, cpu, kept = self._derived
+        last asked about (:meth:`same_sources`); ``src_bits(item)`` gives an item's integer
+        source views (kept in the plan for tensors it keeps; None for a mixed run's single
+        tensors)."""
+        derived = self._derived
+        if derived is None:  # tensors seen once: derived for this save only
+            cuda, cpu = _classify(self.runs, tensors)
+            kept: Optional[Dict[int, List[torch.Tensor]]] = None
+        else:
+            cuda, cpu, kept = derived
         runs = self.runs
 
         def src_bits(item: _Item) -> Optional[List[torch.Tensor]]:
             k, j, srcs = item
             if j is not None:
                 return None
-            views = kept.get(k)
+            views = kept.get(k) if kept is not None else None
             if views is None:
                 views = run_bits(srcs, runs[k].dtype)
-                if views is not None:
+                if views is not None and kept is not None:
                     kept[k] = views
             return views
 

@@ -45,18 +45,10 @@ class SnapshotParts:
     objects: List[ShardedObject] = field(default_factory=list)
     _rows: Optional[List[tuple]] = None
     _skeleton: Any = None
-    _data: Optional[List[Any]] = None
-
-    @property
-    def data(self) -> List[Any]:
-        """Each shard's ``data`` (made once)."""
-        if self._data is None:
-            self._data = list(map(_DATA, self.shards))
-        return self._data
 
     def holds_data(self) -> bool:
         """Every shard has its tensor (none is None)."""
-        return not any(map(operator.is_, self.data, repeat(None)))
+        return not any(map(operator.is_, map(_DATA, self.shards), repeat(None)))
 
     @property
     def rows(self) -> List[tuple]:
@@ -109,8 +101,9 @@ def shard_rows(shards: Sequence[ShardedTensor]) -> List[tuple]:
 _DATA = operator.attrgetter("data")
 
 
-#: every field of a ShardedTensor but its data, read at C speed (what :func:`same_shards`
-#: compares where the wrappers' ``vars`` cannot be)
+#: every field of a ShardedTensor but its data, read at C speed: what a cached save compares
+#: (a training loop's wrappers are fresh objects at every save, or the very same ones changed
+#: in place: either way their fields are read again; nothing of them is kept)
 _FIELDS = operator.attrgetter(
     "key",
     "dtype",
@@ -126,26 +119,8 @@ _FIELDS = operator.attrgetter(
 
 
 def shard_fields(shards: Sequence[ShardedTensor]) -> List[tuple]:
-    """Every shard's metadata fields, for :func:`same_shards`."""
+    """Every shard's metadata fields (``rank_local`` included: the table rows leave it out)."""
     return list(map(_FIELDS, shards))
-
-
-def same_shards(new: "SnapshotParts", old: "SnapshotParts", old_fields: Sequence[tuple]) -> bool:
-    """Whether ``new``'s shards describe exactly those of ``old`` (whose
-    :func:`shard_fields` are ``old_fields``).
-
-    A training loop saves the same tensors again, wrapped in fresh ShardedTensors (Megatron's
-    ``sharded_state_dict()``) or in the very same ones (``TrainState``). Fresh wrappers of the
-    same tensor objects are compared field by field at C speed (``vars`` dicts: the ``data``
-    fields are identical objects, which compare equal without a tensor comparison); anything
-    else — the same wrapper objects, whose fields may have been changed in place, or other
-    tensor objects — by their fields read again."""
-    if len(new.shards) != len(old.shards):
-        return False
-    fresh = not any(map(operator.is_, new.shards, old.shards))
-    if fresh and all(map(operator.is_, new.data, old.data)):
-        return list(map(vars, new.shards)) == list(map(vars, old.shards))
-    return shard_fields(new.shards) == old_fields
 
 
 def snapshot_parts(sharded_state_dict: Any) -> Optional[SnapshotParts]:
