@@ -102,7 +102,7 @@ DEFAULTS = {
 NVRX_DEFAULTS = {"b": dict(warmup=2, steps=2)}
 QUICK = {
     "a": dict(layers=2, d_model=64, heads=2, vocab=512, seq=32, batch=2, warmup=2, steps=4),
-    "b": dict(tensors=2_000, numel=64, warmup=2, steps=4),
+    "b": dict(tensors=600, numel=64, warmup=2, steps=4),
 }
 
 
