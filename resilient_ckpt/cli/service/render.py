@@ -71,7 +71,8 @@ def render_sessions(scan: StoreScan) -> None:
                 t.columns.pop()  # a daemon's LIST carries no creation times
             con.print(t)
         for p in s.problems:
-            con.print(f"[red]unusable: {p.file}: {p.error}[/red]")
+            # One line however long (paths in it): the terminal wraps it, a grep still finds it.
+            con.print(f"[red]unusable: {p.file}: {p.error}[/red]", soft_wrap=True)
 
 
 # ---- a daemon's status --------------------------------------------------------------------------------
