@@ -103,3 +103,27 @@ def test_a_change_to_reused_wrappers_or_their_layer_is_noticed(tmp_root, change)
     assert len(stored) == len(layer) + len(extra) + (1 if change == "added key" else 0)
     if change == "shape":
         assert bits(torch.ones(6, 4)).numpy().tobytes() in stored
+
+
+def test_neither_a_closed_manager_nor_new_tensors_keep_a_callers_tensors_alive(tmp_root):
+    """What a cached save keeps of the tensors (their integer views: their storage, GPU memory
+    too) is kept only while the same tensors come back, and never by a closed manager."""
+    import gc
+    import weakref
+
+    layer, extra = _tensors()
+    with _manager(tmp_root) as m:
+        for it in (1, 2, 3):  # the same tensors three times: their views are kept
+            m.save_local(_wrap(layer, extra), it, is_async=False)
+        new_layer, new_extra = _tensors()
+        gone = weakref.ref(new_layer["w0"])
+        m.save_local(_wrap(new_layer, new_extra), 4, is_async=False)  # seen once: nothing kept
+        del new_layer, new_extra
+        gc.collect()
+        assert gone() is None
+        watched = weakref.ref(layer["w1"])
+        m.save_local(_wrap(layer, extra), 5, is_async=False)
+        m.save_local(_wrap(layer, extra), 6, is_async=False)  # back twice: kept again
+    del layer, extra
+    gc.collect()
+    assert watched() is None

@@ -491,6 +491,9 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         self._prefetcher.close()
         self._close_own_segments()
         self._release_groups()
+        # The structure cache keeps integer views of the model's tensors (their storage, GPU
+        # memory too) and a record per shard: a closed manager holds none of it.
+        self._structure = None
 
     def __enter__(self) -> "CheckpointManager":
         return self
