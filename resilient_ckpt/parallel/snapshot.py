@@ -200,6 +200,9 @@ def _split_dict(x: dict, parts: SnapshotParts) -> Tuple[Any, Any]:
 
 
 def _split_list(x: list, parts: SnapshotParts) -> Tuple[Any, Any]:
+    if len(x) > 16 and set(map(type, x)) <= _PLAIN_TYPES:
+        # A long list of plain values (an optimizer's parameter names): all common, at C speed.
+        return [], list(x)
     shards, objects = parts.shards, parts.objects
     match_l: list = []
     rest_l: list = []
@@ -235,6 +238,7 @@ def _only_shards(x: dict) -> bool:
 
 
 _SHARD_TYPE = {ShardedTensor}
+_PLAIN_TYPES = frozenset((str, int, float, bool, bytes, type(None)))
 _STR_TYPE = {str}
 
 
