@@ -348,35 +348,6 @@ class _Ours:
             self.hook = None
 
 
-def _nvrx_class():
-    from resilient_ckpt.bench.baseline import BaselineSystem
-
-    class Nvrx(BaselineSystem):
-        """The baseline's save (``resilient_ckpt.bench.baseline``), counting the tensors saved."""
-
-        saved_tensors = 0
-
-        def _request(self, state, iteration):
-            from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
-
-            t0 = time.perf_counter()
-            tasd, self.cached_metadata = MCoreTensorAwareStateDict.from_state_dict(
-                state,
-                algo="fully_parallel",
-                parallelization_group=self.group,
-                cached_metadata=self.cached_metadata,
-            )
-            tensors = list(tasd.tensors)
-            self.saved_tensors = len(tensors)
-            saved = sum(t.nbytes for t in tensors)
-            t1 = time.perf_counter()
-            request = self.manager.save(tasd, iteration, is_async=True)
-            t2 = time.perf_counter()
-            return request, saved, {"from_state_dict_s": t1 - t0, "replicate_and_clone_s": t2 - t1}
-
-    return Nvrx
-
-
 def _mcore_state_fn(wl: _Workload, rank: int, world: int) -> Callable[[], Dict[str, Any]]:
     """Megatron's sharded state dict of the model and its optimizer, built anew per save:
     every parameter a ShardedTensor replicated over data parallel (``replica_id`` = dp rank),
@@ -416,10 +387,11 @@ class _Nvrx:
     name = "nvrx"
 
     def __init__(self, wl: _Workload, rank: int, world: int, tmp_root: str, session: str):
+        from resilient_ckpt.bench.baseline import BaselineSystem
         from resilient_ckpt.bench.launcher import RankContext
 
         ctx = RankContext(rank, world, 1, tmp_root, session=session, replication_factor=2)
-        self.system = _nvrx_class()()
+        self.system = BaselineSystem()
         self.system.setup(ctx)  # apply_cpu_patches() without CUDA, the gloo adaptation with it
         self.state_fn = _mcore_state_fn(wl, rank, world)
         self.pending = None

@@ -212,6 +212,7 @@ class BaselineSystem:
         self.manager = LocalCheckpointManager(ctx.store_root, session_id=ctx.session, repl_strategy=repl)
         self.queue = AsyncCallsQueue(persistent=False)
         self.cached_metadata: Optional[Any] = None
+        self.saved_tensors = 0
 
     def _request(self, state: Dict[str, Any], iteration: int):
         """Megatron-LM's local save: build the state dict (cached distribution), then
@@ -223,7 +224,9 @@ class BaselineSystem:
             parallelization_group=self.group,
             cached_metadata=self.cached_metadata,
         )
-        saved = sum(t.nbytes for t in tasd.tensors)
+        tensors = list(tasd.tensors)
+        self.saved_tensors = len(tensors)  # the last save's (read by benchmarks/per_step_loop.py)
+        saved = sum(t.nbytes for t in tensors)
         t1 = time.perf_counter()
         request = self.manager.save(tasd, iteration, is_async=True)
         t2 = time.perf_counter()
