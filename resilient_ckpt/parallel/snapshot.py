@@ -10,6 +10,7 @@ path (:func:`.template.preprocess`) would give.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -103,18 +104,10 @@ _DATA = operator.attrgetter("data")
 
 #: every field of a ShardedTensor but its data, read at C speed: what a cached save compares
 #: (a training loop's wrappers are fresh objects at every save, or the very same ones changed
-#: in place: either way their fields are read again; nothing of them is kept)
+#: in place: either way their fields are read again; nothing of them is kept). Derived from
+#: the dataclass, so a field added to it is compared too; ``rank_local`` is an attribute.
 _FIELDS = operator.attrgetter(
-    "key",
-    "dtype",
-    "local_shape",
-    "global_shape",
-    "global_offset",
-    "axis_fragmentations",
-    "replica_id",
-    "prepend_axis_num",
-    "allow_shape_mismatch",
-    "rank_local",
+    *(f.name for f in dataclasses.fields(ShardedTensor) if f.name != "data"), "rank_local"
 )
 
 
