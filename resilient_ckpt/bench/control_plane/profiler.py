@@ -69,7 +69,7 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     # a sealed replica's final header, behind its payload (the first one only announces it)
     ("header: p2p exchange", _PKG + "replication.transport:P2PTransport._exchange_seals", "p2p-seal"),
     # agreement and the fail-together votes
-    ("agreement", _PKG + "manager.saving:SavePath._agree", "phase"),
+    ("agreement", _PKG + "manager.save_completion:SaveCompletion._agree", "phase"),
     ("vote", _PKG + "parallel.collectives:agree_or_fail", "phase"),
     # holdings
     ("holdings gather", _PKG + "manager.loading:gather_holdings", "phase"),
@@ -98,9 +98,9 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     # data plane (reported so the operations add up; not the subject of this benchmark)
     ("staging start", _PKG + "manager.saving:SavePath._stage", "phase"),
     ("staging start", _PKG + "manager.saving:SavePath._start_copies", "phase"),
-    ("staging wait", _PKG + "manager.saving:SavePath._store_and_replicate", "phase"),
-    ("checksum", _PKG + "manager.saving:_with_checksums", "phase"),
-    ("replication (data)", _PKG + "manager.saving:SavePath._replicate", "phase"),
+    ("staging wait", _PKG + "manager.save_completion:SaveCompletion._store_and_replicate", "phase"),
+    ("checksum", _PKG + "manager.save_completion:_with_checksums", "phase"),
+    ("replication (data)", _PKG + "manager.save_completion:SaveCompletion._replicate", "phase"),
     ("retrieval (data)", _PKG + "manager.loading:retrieve", "phase"),
     ("local replica shards", _PKG + "manager.restore:_plan_node_copies", "phase"),
     ("local replica shards", _PKG + "manager.loading:LoadPath._extra_shards", "phase"),
@@ -109,8 +109,8 @@ PHASES: Tuple[Tuple[str, str, str], ...] = (
     # housekeeping
     ("group setup", _PKG + "manager.checkpoint_manager:CheckpointManager._ckpt_group", "phase"),
     ("retire earlier run", _PKG + "manager.saving:SavePath._retire_earlier_run", "phase"),
-    ("retention + prefetch", _PKG + "manager.saving:SavePath._complete_save", "phase"),
-    ("save thread (rest)", _PKG + "manager.saving:SavePath._finish_save", "phase"),
+    ("retention + prefetch", _PKG + "manager.save_completion:SaveCompletion._complete_save", "phase"),
+    ("save thread (rest)", _PKG + "manager.save_completion:SaveCompletion._finish_save", "phase"),
     ("housekeeping", _PKG + "manager.loading:LoadPath._drop_abandoned", "phase"),
     ("housekeeping", _PKG + "memory.store:CheckpointStore.sweep_orphans", "phase"),
     ("healing (plan)", _PKG + "manager.healing:Healing._heal_after_restore", "phase"),
