@@ -540,22 +540,23 @@ class SavePath(SaveCompletion):
                 "pass the training step, which only grows"
             )
 
-    def _busy(self) -> bool:
-        """Whether a save of this rank is still in flight (copying, replicating, agreeing);
-        finished ones leave the queue here (their handles report them)."""
+    def _unfinished(self) -> List:
+        """The futures of this rank's saves still in flight (copying, replicating, agreeing),
+        oldest first; finished ones leave the queue here (their handles report them)."""
         with self._lock:
             while self._in_flight and self._in_flight[0][1].done():
                 self._in_flight.popleft()
-            return bool(self._in_flight)
+            return [f for _, f in self._in_flight]
+
+    def _busy(self) -> bool:
+        return bool(self._unfinished())
 
     def _bound_queue(self) -> None:
-        with self._lock:
-            while self._in_flight and self._in_flight[0][1].done():
-                self._in_flight.popleft()
-            oldest = self._in_flight[0][1] if len(self._in_flight) >= 2 else None
-        if oldest is not None:
+        """At most one save queued behind the running one: a third waits for the oldest."""
+        unfinished = self._unfinished()
+        if len(unfinished) >= 2:
             try:
-                oldest.result()
+                unfinished[0].result()
             except Exception:
                 pass  # its own handle reports it
 
