@@ -288,18 +288,14 @@ def votes_or_fail(
     group: Optional[dist.ProcessGroup] = None,
 ) -> List[bool]:
     """:func:`agree_or_fail` of several independent votes in the one all-reduce: for each, True
-    on every rank iff no rank failed and every rank voted True (a bit per vote, the minimum
-    over the group; bit 0 says no rank failed)."""
+    on every rank iff no rank failed and every rank voted True (one slot per vote, the minimum
+    over the group; slot 0 says no rank failed)."""
     if group_size(group) == 1:
         if local is not None:
             raise local
         return [bool(v) for v in votes]
-    if len(votes) > 62:
-        raise ValueError("votes_or_fail: at most 62 votes fit in one int64")
-    mine = 0 if local is not None else 1 + sum(2 << i for i, v in enumerate(votes) if v)
-    # MIN does not combine bits: a vote's bit survives only if every rank set it, so each
-    # rank sends its bits spread over separate all-reduce slots (one tensor, one call).
-    flags = all_reduce_ints([mine & 1] + [(mine >> (i + 1)) & 1 for i in range(len(votes))], "min", group)
+    ok = local is None
+    flags = all_reduce_ints([int(ok)] + [int(ok and bool(v)) for v in votes], "min", group)
     if flags[0]:
         return [bool(f) for f in flags[1:]]
     errors = all_gather_msgpack("" if local is None else describe(local), group)
