@@ -395,6 +395,54 @@ def test_restarted_job_saves_the_abandoned_iteration_again(killed_mid_save):
     )
 
 
+# ---- the agreement's answer reaches some ranks only -------------------------------------------------
+
+
+def _answer_lost(ctx):
+    """Node 1 dies in the middle of iteration 20's agreement: its ranks (2, 3) have sent their
+    votes and are killed as the answer comes back; rank 0 receives the answer (complete), rank 1
+    does not (its all-reduce raises, as gloo's does when a peer's connection drops)."""
+    armed = {"on": False}
+
+    def hook(point):
+        if armed["on"] and point == "after_agreement":
+            if ctx.node == 1:
+                ctx.kill_self()
+            if ctx.rank == 1:
+                raise ConnectionError("injected: the agreement's answer never reached this rank")
+
+    m = _manager(ctx, fault_hook=hook, keep_last=1, timeout_s=10)
+    m.save_local(_sd(ctx.rank, ctx.world_size, 10), 10, is_async=False)
+    armed["on"] = True
+    t = time.monotonic()
+    try:
+        m.save_local(_sd(ctx.rank, ctx.world_size, 20), 20).wait()
+        out = {"save20": "complete"}
+    except CheckpointingException as e:
+        out = {"save20": str(e)}
+    out["seconds"] = time.monotonic() - t
+    m.close()
+    return out
+
+
+def test_an_agreement_answered_on_some_ranks_only_never_loses_the_previous_iteration(tmp_root):
+    """Rank 0 learns that iteration 20 is complete, rank 1 that it failed (and discards its
+    copy): rank 0 must not retire iteration 10 on that answer alone — with node 1 lost, 10 is
+    the newest iteration whose every rank's data survives (issue 41's CI: the service-mode demo
+    restarted from scratch this way)."""
+    root = tmp_root / "lost-answer"
+    res = run_ranks(_answer_lost, WS, root, ranks_per_node=RPN, expect_killed=[2, 3], **RUN)
+    assert res[2] is KILLED and res[3] is KILLED
+    assert res[0]["save20"] == "complete", res[0]
+    assert res[1]["save20"].startswith("local checkpoint of iteration 20 is not complete"), res[1]
+    assert res[0]["seconds"] < 10 + 5 and res[1]["seconds"] < 10 + 5, res
+    shutil.rmtree(node_store_root(root, 1))  # node 1 is replaced with an empty store
+    out = run_ranks(_load_only, WS, root, ranks_per_node=RPN, args=({"keep_last": 1},), **RUN)
+    assert [o["iteration"] for o in out] == [10] * WS, out
+    assert all(o["exact"] for o in out), out
+    assert [o["source"] for o in out] == ["local", "local", "peer", "peer"], out
+
+
 # ---- a rank whose save fails locally does not leave the others waiting ---------------------------
 
 

@@ -21,6 +21,9 @@ class SaveMetrics:
     replication_s: float = 0.0
     agreement_s: float = 0.0
     durable_s: float = 0.0
+    #: after ``durable_s``: the all-reduce confirming every rank heard the agreement, which
+    #: retention waits for (manager/save_completion.py says why)
+    confirmation_s: float = 0.0
     bytes_staged: int = 0
     bytes_replicated_out: int = 0
     bytes_replicated_in: int = 0

@@ -7,6 +7,13 @@ are on the wire), agree on every rank in one all-reduce, then complete — reten
 segment made ahead, the persistent tier's flush. A rank whose save failed before it started
 still takes part (``_fail_save``: empty replicas, refusals, a "no" vote), so peers learn at
 once. Also here: retirement of old checkpoints and segments, and ``wait_for_saves``.
+
+Why retention waits for a second, confirming all-reduce: the agreement's answer can reach some
+ranks and not others (a node lost between the two halves of its last exchange). A rank that
+did not get it must treat the save as failed and discards its copy; had a rank that got "yes"
+retired the previous iteration on that answer alone, neither iteration would be whole. A rank
+retires only once every rank has confirmed that it heard "yes" — and one that did not hear it
+never confirms — so whatever a rank discards, the previous iteration is still there.
 """
 
 from __future__ import annotations
@@ -136,7 +143,7 @@ class SaveCompletion:
                 f"iteration {self._complete[-1] if self._complete else 'none'} stays loadable"
             ) from outcome.error
         self._note_rates(job)
-        self._complete_save(job)
+        self._complete_save(job, confirmed=self._confirm(job, group))
         return m
 
     def _store_and_replicate(self, job: _SaveJob, group) -> "_Outcome":
@@ -225,13 +232,35 @@ class SaveCompletion:
             except BaseException as e:  # still vote (no), so peers are not left waiting
                 out.ok, out.error = False, out.error or e
             try:
-                return collectives.all_agree(out.ok, group) if group is not None else out.ok
+                agreed = collectives.all_agree(out.ok, group) if group is not None else out.ok
+                self._fault("after_agreement")
+                return agreed
             except Exception as e:
                 out.error = out.error or e
                 return False
 
-    def _complete_save(self, job: _SaveJob) -> None:
-        """After the agreement: persistent flush (every M saves), retention, next segment."""
+    def _confirm(self, job: _SaveJob, group) -> bool:
+        """The second all-reduce (module docstring): did every rank hear the agreement's "yes"?
+        False (logged) when it cannot be reached; the save is complete all the same, only its
+        retention waits for a later save."""
+        if group is None:
+            return True
+        with _timed(job.metrics, "confirmation_s"):
+            try:
+                return collectives.all_agree(True, group)
+            except Exception as e:
+                logger.warning(
+                    "iteration %d is complete, but not every rank confirmed hearing so (%s): older "
+                    "iterations are kept until a later save is confirmed, in case a rank that did "
+                    "not hear it discarded its copy",
+                    job.iteration,
+                    e,
+                )
+                return False
+
+    def _complete_save(self, job: _SaveJob, confirmed: bool) -> None:
+        """After the agreement: persistent flush (every M saves), retention (once ``confirmed``:
+        see the module docstring), next segment."""
         self._complete.append(job.iteration)
         # Kept mapped (and page-locked, GPU state) while retained: retired, it becomes the
         # spare as it is, so a steady run maps and locks nothing (see _retire).
@@ -246,7 +275,8 @@ class SaveCompletion:
             except Exception as e:
                 logger.warning("persistent flush after iteration %d not started: %s", job.iteration, e)
         try:
-            self._retire()
+            if confirmed:
+                self._retire()
         except OSError as e:  # the save itself is complete; retiring is retried next time
             logger.warning("could not retire old checkpoints in %s: %s", self.store.dir, e)
         structure = self._structure
