@@ -27,23 +27,20 @@ searches (the closing note of issue 30 has the long run).
 from __future__ import annotations
 
 import os
-import queue as _queue
 import random
 import shutil
 import signal
 import threading
-import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from harness import _mp_context
+from commanded_job import CommandedJob
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -56,8 +53,6 @@ WS, RPN = 4, 2
 TIMEOUT_S = 3.0
 #: within this of 2 x timeout_s every live rank has answered (process scheduling on 2 cores)
 SLACK_S = 1.0
-#: the job's own groups: far above timeout_s, so a hang in them is a hang, not a timeout
-JOB_TIMEOUT_S = 60
 SMALL = 2048  # floats per rank of an ordinary save
 LARGE = 3 << 20  # floats per rank of a save node 1's budget cannot hold (12 MiB)
 BUDGET = 6 << 20  # node 1's store budget: many small saves, no large one
@@ -116,8 +111,6 @@ class _Rank:
     """One rank's side: a manager kept across the steps of one generation of the job."""
 
     def __init__(self, rank: int, root: str, config: str):
-        import torch.distributed as dist
-
         from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
 
         self.rank, self.node = rank, rank // RPN
@@ -132,7 +125,6 @@ class _Rank:
             fault_hook=self._hook,
             **kw,
         )
-        self.dist = dist
 
     def _hook(self, point: str) -> None:
         if self.armed is not None and self.armed[0] == point:
@@ -168,145 +160,16 @@ class _Rank:
     def find(self) -> Any:
         return ["latest", self.m.find_latest()]
 
-    def world_works(self) -> bool:
-        import torch
-
-        t = torch.tensor([self.rank + 1.0])
-        self.dist.all_reduce(t)
-        return float(t) == sum(range(1, WS + 1))
-
-    def counts(self) -> List[int]:
-        from torch.distributed import distributed_c10d as c10d
-
-        return [threading.active_count(), len(c10d._world.pg_map)]
-
-
-def _rank_main(rank: int, port: int, root: str, config: str, commands, replies) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(WS),
-        LOCAL_RANK=str(rank % RPN),
-        LOCAL_WORLD_SIZE=str(RPN),
-    )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        # The store is the launcher's (torchrun's agent holds it, not a rank): a frozen rank
-        # must not take the job's rendezvous store down with it.
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=JOB_TIMEOUT_S))
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=WS, timeout=timedelta(seconds=JOB_TIMEOUT_S)
-        )
-        me = _Rank(rank, root, config)
-        replies.put((rank, -1, ["ready"], 0.0, me.counts(), True))
-    except BaseException as e:
-        replies.put((rank, -1, ["error", f"{type(e).__name__}: {e}"], 0.0, [0, 0], False))
-        return
-    while True:
-        seq, what, args, check_world = commands.get()
-        if what == "exit":
-            me.m.close()
-            replies.put((rank, seq, ["closed"], 0.0, me.counts(), True))
-            return
-        t = time.monotonic()
-        try:
-            outcome = getattr(me, what)(*args)
-        except Exception as e:
-            outcome = ["failed", f"{type(e).__name__}: {str(e)[:300]}"]
-        seconds = time.monotonic() - t
-        world = me.world_works() if check_world else True
-        replies.put((rank, seq, outcome, seconds, me.counts(), world))
+    def close(self) -> None:
+        self.m.close()
 
 
 # ---- the job, driven from the test process ---------------------------------------------------
 
 
-class Job:
+def _job(root: Path, config: str) -> CommandedJob:
     """4 rank processes (one generation of the job); restart = all SIGKILLed, started again."""
-
-    def __init__(self, root: Path, config: str):
-        self.root, self.config = root, config
-        self.procs: List[Any] = []
-        self.seq = 0
-        self.generation = 0
-
-    def start(self) -> Dict[int, Any]:
-        import torch.distributed as dist
-
-        ctx = _mp_context()
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=JOB_TIMEOUT_S)
-        )
-        port = self.store.port
-        self.commands = [ctx.Queue() for _ in range(WS)]
-        self.replies = ctx.Queue()
-        self.procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(r, port, str(self.root), self.config, self.commands[r], self.replies),
-                daemon=True,
-            )
-            for r in range(WS)
-        ]
-        for p in self.procs:
-            p.start()
-        self.generation += 1
-        got = self._collect(-1, range(WS), 60.0)
-        assert all(got[r][0] == ["ready"] for r in range(WS)), got
-        return got
-
-    def kill(self) -> None:
-        for p in self.procs:
-            _sigkill(p)
-        for p in self.procs:
-            p.join(timeout=10)
-        self.procs = []
-
-    def close(self) -> None:
-        if self.procs and all(p.is_alive() for p in self.procs):
-            self.seq += 1
-            for q in self.commands:
-                q.put((self.seq, "exit", (), False))
-            self._collect(self.seq, range(WS), 30.0)
-        self.kill()
-
-    def step(self, what: str, args_of, live, check_world: bool, wait_s: float) -> Dict[int, Any]:
-        """Send ``what`` to every rank (``args_of(rank)``); replies of the ``live`` ranks."""
-        self.seq += 1
-        for r in range(WS):
-            self.commands[r].put((self.seq, what, args_of(r), check_world))
-        return self._collect(self.seq, live, wait_s)
-
-    def _collect(self, seq: int, live, wait_s: float) -> Dict[int, Any]:
-        want, got = set(live), {}
-        deadline = time.monotonic() + wait_s
-        while want - set(got) and time.monotonic() < deadline:
-            try:
-                rank, s, outcome, seconds, counts, world = self.replies.get(timeout=0.2)
-            except _queue.Empty:
-                continue
-            if s == seq:
-                got[rank] = (outcome, seconds, counts, world)
-        missing = sorted(want - set(got))
-        assert not missing, f"rank(s) {missing} did not answer within {wait_s:.0f}s (hung or died): {got}"
-        return got
-
-    def stopped_or_dead(self, rank: int) -> None:
-        """SIGKILL a rank that froze itself (or confirm it died)."""
-        p = self.procs[rank]
-        _sigkill(p)
-        p.join(timeout=10)
-
-
-def _sigkill(p) -> None:
-    """SIGKILL ``p`` unless it has ended (it may end between the check and the signal)."""
-    if p.is_alive():
-        try:
-            os.kill(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return CommandedJob(WS, RPN, _Rank, (str(root), config))
 
 
 class FaultMachine(RuleBasedStateMachine):
@@ -321,7 +184,7 @@ class FaultMachine(RuleBasedStateMachine):
         if os.environ.get("RC_FAULT_VERBOSE"):
             print(f"=== example {FaultMachine.examples} ({self.config})", flush=True)
         self.dir = self.root / uuid.uuid4().hex[:8]
-        self.job = Job(self.dir, self.config)
+        self.job = _job(self.dir, self.config)
         self.job.start()
         self.complete: List[int] = []  # iterations agreed complete, oldest first
         self.iteration = 0
