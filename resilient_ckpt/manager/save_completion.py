@@ -143,7 +143,9 @@ class SaveCompletion:
                 f"iteration {self._complete[-1] if self._complete else 'none'} stays loadable"
             ) from outcome.error
         self._note_rates(job)
-        self._complete_save(job, confirmed=self._confirm(job, group))
+        confirmed = self._confirm(job, group)
+        self._fault("after_confirmation")
+        self._complete_save(job, confirmed)
         return m
 
     def _store_and_replicate(self, job: _SaveJob, group) -> "_Outcome":
