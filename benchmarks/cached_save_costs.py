@@ -34,13 +34,12 @@ import tempfile
 import time
 
 
-def _rank(rank: int, world: int, port: int, root: str, args, out_q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(ctx, args) -> dict:
+    """One rank (``resilient_ckpt.bench.launcher.launch``: its process group is up)."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, root = ctx.rank, ctx.tmp_root
     from resilient_ckpt import CheckpointManager, ShardedTensor, TrainState
 
     n, per = args.tensors, max(1, (args.mib << 20) // 4 // args.tensors)
@@ -137,27 +136,15 @@ def _rank(rank: int, world: int, port: int, root: str, args, out_q) -> None:
                 dicts.append(t1 - t0)
                 stalls.append(t3 - t2)
     out.update(train_state_dict_s=statistics.median(dicts), train_state_save_s=statistics.median(stalls))
-    out_q.put(out)
-    dist.destroy_process_group()
+    return out
 
 
 def _pair(args) -> list:
-    import multiprocessing as mp
+    from resilient_ckpt.bench.launcher import launch
 
-    from resilient_ckpt.ports import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     root = tempfile.mkdtemp(prefix="rc-costs-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, root, args, q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = [q.get(timeout=1200) for _ in procs]
-        for p in procs:
-            p.join()
-        return results
+        return launch(_rank, 2, root, ranks_per_node=1, args=(args,), timeout=1200)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from datetime import timedelta
 from typing import Dict, List
 
 warnings.filterwarnings("ignore")
@@ -78,8 +76,9 @@ def _timed_load(dcp, torch, sd, reader, cid) -> float:
     return seconds
 
 
-def _rank(rank: int, world: int, port: int, root: str, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1")
+def _rank(ctx, args) -> Dict[str, List[float]]:
+    """One rank (``resilient_ckpt.bench.launcher.launch``: its process group is up)."""
+    rank, root = ctx.rank, ctx.tmp_root
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -88,14 +87,6 @@ def _rank(rank: int, world: int, port: int, root: str, args, queue) -> None:
     from resilient_ckpt import CheckpointManager
     from resilient_ckpt.dcp import MemoryStorageReader, MemoryStorageWriter
 
-    torch.set_num_threads(1)  # 2 ranks on the machine's cores, the same for both layers
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
     sd = _state_dict(_sizes(args.mib, args.tensors))
     manager = CheckpointManager(
         session_id="dcp-bench",
@@ -139,14 +130,7 @@ def _rank(rank: int, world: int, port: int, root: str, args, queue) -> None:
                 keep(name, {"load": load})
             dist.barrier()
     manager.close()
-    dist.destroy_process_group()
-    queue.put((rank, out))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return out
 
 
 def main(argv=None) -> int:
@@ -157,44 +141,17 @@ def main(argv=None) -> int:
     p.add_argument("--tensors", type=int, default=320, help="number of tensors")
     p.add_argument("--repeats", type=int, default=5, help="measured saves and loads per storage layer")
     args = p.parse_args(argv)
-    import multiprocessing as mp
+    from resilient_ckpt.bench.launcher import launch
 
+    # 2 ranks on the machine's cores (one intra-op thread each), the same for both layers; a
+    # rank that fails, dies or runs out of time ends the run with its traceback
     root = tempfile.mkdtemp(prefix="dcp-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port, world = _free_port(), 2
-    procs = [ctx.Process(target=_rank, args=(r, world, port, root, args, queue)) for r in range(world)]
     try:
-        for proc in procs:
-            proc.start()
-        results = _collect(queue, procs)
-        for proc in procs:
-            proc.join(60)
+        results = dict(enumerate(launch(_rank, 2, root, ranks_per_node=1, args=(args,), timeout=1800)))
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
         shutil.rmtree(root, ignore_errors=True)
     _report(args, results)
     return 0
-
-
-def _collect(queue, procs) -> Dict[int, Dict[str, List[float]]]:
-    """Each rank's figures; a rank that died fails the run at once instead of a long wait."""
-    import queue as queue_mod
-
-    results: Dict[int, Dict[str, List[float]]] = {}
-    while len(results) < len(procs):
-        try:
-            rank, out = queue.get(timeout=1.0)
-            results[rank] = out
-        except queue_mod.Empty:
-            dead = [i for i, proc in enumerate(procs) if i not in results and proc.exitcode not in (None, 0)]
-            if dead:
-                raise SystemExit(
-                    f"rank(s) {dead} failed (exit codes {[procs[i].exitcode for i in dead]}); see above"
-                ) from None
-    return results
 
 
 def _report(args, results) -> None:

@@ -73,18 +73,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import resource
-import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import traceback
-import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 SYSTEMS = ("none", "ours", "nvrx")
@@ -107,20 +102,6 @@ QUICK = {
 
 
 # --- the rank process ---------------------------------------------------------------------------
-
-
-def _quiet() -> None:
-    for msg in (
-        "The pynvml package is deprecated",
-        "Transformer Engine and Apex are not installed",
-        "The TemporalAsyncCaller will be deprecated",
-        "`_get_pg_default_device` will be deprecated",
-        "Multiple backends are registered with this ProcessGroup",
-    ):
-        warnings.filterwarnings("ignore", message=f".*{msg}")
-    import logging
-
-    logging.getLogger("nvidia_resiliency_ext").setLevel(logging.ERROR)
 
 
 def _gpt(cfg: Dict[str, Any]):
@@ -643,96 +624,23 @@ def _run_rank(rank: int, cfg: Dict[str, Any], tmp_root: str) -> Dict[str, Any]:
     return out
 
 
-def _rank_entry(rank: int, port: int, tmp_root: str, cfg: Dict[str, Any], results) -> None:
-    os.setpgid(0, 0)  # its own process group: the parent ends it with the writers it forks
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",  # one rank per simulated node
-    )
-    _quiet()
-    try:
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=timedelta(seconds=cfg["timeout_s"]),
-        )
-        out = _run_rank(rank, cfg, tmp_root)
-        results.put((rank, "ok", out))
-    except BaseException as e:  # the parent ends every rank on any error
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+def _rank(ctx, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank (``resilient_ckpt.bench.launcher.launch``: one per simulated node, its process
+    group up, the known import warnings silenced; it and the writers it forks end together)."""
+    return _run_rank(ctx.rank, cfg, ctx.tmp_root)
 
 
 # --- the parent ----------------------------------------------------------------------------------
 
 
-def _end(procs: list) -> None:
-    for p in procs:
-        if p.is_alive():
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the rank and the writers it forked
-            except (ProcessLookupError, PermissionError):
-                p.kill()
-    for p in procs:
-        p.join(timeout=30)
-
-
 def _launch(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Run one (workload, system) in WORLD fresh rank processes; their results in rank order."""
-    from resilient_ckpt.ports import free_port
+    from resilient_ckpt.bench.launcher import launch, mp_context
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    mp_context(cuda=cfg["device"] == "cuda")  # GPU ranks: only CUDA-safe preloads in the fork server
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="per-step-", dir=shm) as tmp_root:
-        port = free_port()
-        procs = [
-            ctx.Process(target=_rank_entry, args=(r, port, tmp_root, cfg, results), name=f"per-step-rank{r}")
-            for r in range(WORLD)
-        ]
-        out: Dict[int, Any] = {}
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + cfg["timeout_s"]
-            while len(out) < WORLD:
-                try:
-                    rank, status, payload = results.get(timeout=0.5)
-                except queue_mod.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive()]
-                    if dead and results.empty():
-                        codes = [procs[r].exitcode for r in dead]
-                        raise RuntimeError(
-                            f"rank(s) {dead} died without a result (exit codes {codes})"
-                        ) from None
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"timed out after {cfg['timeout_s']:.0f} s") from None
-                    continue
-                if status != "ok":
-                    raise RuntimeError(f"rank {rank} failed: {payload}")
-                out[rank] = payload
-            for p in procs:
-                p.join(timeout=30)
-        finally:
-            _end(procs)
-            results.close()
-    return [out[r] for r in range(WORLD)]
+        return launch(_rank, WORLD, tmp_root, ranks_per_node=1, args=(cfg,), timeout=cfg["timeout_s"])
 
 
 def _slowest(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:

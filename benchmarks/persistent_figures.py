@@ -27,23 +27,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _evict(directory: Path) -> None:
@@ -69,16 +61,10 @@ def _sum(x: int) -> int:
     return int(t.item())
 
 
-def _worker(rank: int, world: int, port: int, args, out_q) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=600),
-    )
+def _worker(ctx, args) -> Optional[dict]:
+    """One rank (``resilient_ckpt.bench.launcher.launch``: its process group is up); rank 0
+    returns the figures."""
+    rank, world = ctx.rank, ctx.world_size
     from resilient_ckpt import ShardedTensor
     from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
     from resilient_ckpt.persistent.local_load import load_local
@@ -192,21 +178,19 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     for raw in raw_files:
         raw.unlink()
     if rank == 0:
-        out_q.put(
-            {
-                "ranks": world,
-                "tensor_bytes": total_bytes,
-                "tensors": args.tensors,
-                "dir": str(root),
-                "flushes": flushes,
-                "flush_gbps": [f["bytes"] / f["seconds"] / 1e9 for f in flushes],
-                "raw_write_gbps": [total_bytes / f["raw_write_s"] / 1e9 for f in flushes],
-                "loads_s": loads,
-                "load_read_bytes": read_bytes,
-                "page_cache": "evicted (posix_fadvise DONTNEED) before every load",
-            }
-        )
-    dist.destroy_process_group()
+        return {
+            "ranks": world,
+            "tensor_bytes": total_bytes,
+            "tensors": args.tensors,
+            "dir": str(root),
+            "flushes": flushes,
+            "flush_gbps": [f["bytes"] / f["seconds"] / 1e9 for f in flushes],
+            "raw_write_gbps": [total_bytes / f["raw_write_s"] / 1e9 for f in flushes],
+            "loads_s": loads,
+            "load_read_bytes": read_bytes,
+            "page_cache": "evicted (posix_fadvise DONTNEED) before every load",
+        }
+    return None
 
 
 def main(argv=None) -> int:
@@ -223,23 +207,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     made = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="persistent_figures_", dir="/tmp")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, q)) for r in range(args.ranks)]
+    from resilient_ckpt.bench.launcher import launch
+    from resilient_ckpt.errors import CheckpointingException
+
     try:
-        for pr in procs:
-            pr.start()
-        res = q.get(timeout=3600)
-        for pr in procs:
-            pr.join()
-        if any(pr.exitcode for pr in procs):
-            print("a rank failed", file=sys.stderr)
-            return 1
+        res = launch(_worker, args.ranks, args.dir, args=(args,), timeout=3600)[0]
+    except CheckpointingException as e:  # a rank failed, died or timed out (launch says which)
+        print(e, file=sys.stderr)
+        return 1
     finally:
-        for pr in procs:
-            if pr.is_alive():
-                pr.kill()
         if made:
             shutil.rmtree(args.dir, ignore_errors=True)
     gb = res["tensor_bytes"] / 1e9

@@ -24,13 +24,11 @@ import tempfile
 import time
 
 
-def _rank(rank: int, world: int, port: int, root: str, args, out_q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(ctx, args) -> dict:
+    """One rank (``resilient_ckpt.bench.launcher.launch``: its process group is up)."""
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, root = ctx.rank, ctx.tmp_root
     from resilient_ckpt import CheckpointManager, TrainState
 
     def model():
@@ -71,21 +69,18 @@ def _rank(rank: int, world: int, port: int, root: str, args, out_q) -> None:
         fresh.load_state_dict(restored)
     restore = time.perf_counter() - t0
     ok = all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), fresh.model.state_dict().values()))
-    out_q.put(
-        dict(
-            rank=rank,
-            tensors=tensors,
-            mib=nbytes / 2**20,
-            state_dict_first_s=dicts[0],
-            state_dict_cached_s=statistics.median(dicts[1:]),
-            stall_first_s=stalls[0],
-            stall_cached_s=statistics.median(stalls[1:]),
-            restore_s=restore,
-            restored_iteration=it,
-            bit_exact=ok,
-        )
+    return dict(
+        rank=rank,
+        tensors=tensors,
+        mib=nbytes / 2**20,
+        state_dict_first_s=dicts[0],
+        state_dict_cached_s=statistics.median(dicts[1:]),
+        stall_first_s=stalls[0],
+        stall_cached_s=statistics.median(stalls[1:]),
+        restore_s=restore,
+        restored_iteration=it,
+        bit_exact=ok,
     )
-    dist.destroy_process_group()
 
 
 def main() -> int:
@@ -94,20 +89,10 @@ def main() -> int:
     p.add_argument("--width", type=int, default=96)
     p.add_argument("--saves", type=int, default=4, help="cached saves after the first")
     args = p.parse_args()
-    import multiprocessing as mp
+    from resilient_ckpt.bench.launcher import launch
 
-    from resilient_ckpt.ports import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, root, args, q)) for r in range(2)]
-        for pr in procs:
-            pr.start()
-        results = [q.get(timeout=900) for _ in procs]
-        for pr in procs:
-            pr.join()
+        results = launch(_rank, 2, root, ranks_per_node=1, args=(args,), timeout=900)
     slowest = {k: max(r[k] for r in results) for k in results[0] if k.endswith("_s")}
     print(
         json.dumps(

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import re
+import signal
 import threading
 import time
 import traceback
@@ -144,6 +145,9 @@ def _entry(
     pg_timeout_s: float,
     imports: Sequence[str] = (),
 ) -> None:
+    # A process group of its own: the launcher ends the rank with the writers it forks
+    # (nvidia-resiliency-ext's async saves fork them), as a job's end takes its children.
+    os.setpgid(0, 0)
     node_env = join(ctx.net)  # first: every socket and thread of the rank lives on its node
     master = node_env["MASTER_ADDR"]
     os.environ.update(
@@ -200,9 +204,13 @@ def _start_rank(ctx_mp, fn: Callable[..., Any], ctx: RankContext, entry_args: tu
 
 
 def _kill_all(procs: list) -> None:
+    """SIGKILL every rank still running, and what it forked (its process group)."""
     for p in procs:
         if p.is_alive():
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # not yet its own group leader
+                p.kill()
     for p in procs:
         p.join(timeout=30)
 
