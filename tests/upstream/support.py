@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 import weakref
 from pathlib import Path
 from shutil import rmtree
 from tempfile import TemporaryDirectory
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
@@ -171,6 +172,18 @@ def ckpt_exists(impl: str, mgr, iteration: int, owner: Optional[int] = None) -> 
         ckpt_id = (iteration, owner, mgr.session_id)
         return mgr._local_ckpt_path_from_id(ckpt_id).exists()
     return ours_header(mgr.root_local_ckpt_dir, iteration, owner) is not None
+
+
+def gone_soon(exists: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Whether what ``exists`` checks is gone within ``timeout_s``: the reference removes old
+    checkpoints in a cleanup process of its own, so upstream's fixed sleeps (10-800 ms) before
+    asserting it are a race on a loaded machine. Polled; True at once when already gone."""
+    deadline = time.monotonic() + timeout_s
+    while exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def remove_ckpt(impl: str, mgr, iteration: int, owner: Optional[int] = None) -> None:
