@@ -139,3 +139,60 @@ def test_one_nodes_store_filesystem_full_leaves_the_next_calls_working_on_every_
     finally:
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
     _check(out, culprits=[2, 3])
+
+
+# ---- the renewal check rides on the save's vote ----------------------------------------------------
+
+
+def _calling_thread_collectives(counts: dict):
+    """Count the collectives this thread (the training loop's) enters, by name."""
+    me = threading.get_ident()
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "all_to_all"):
+        orig = getattr(dist, name)
+
+        def counted(*a, _orig=orig, _name=name, **k):
+            if threading.get_ident() == me:
+                counts[_name] = counts.get(_name, 0) + 1
+            return _orig(*a, **k)
+
+        setattr(dist, name, counted)
+
+
+def _saves_counting_collectives(ctx):
+    m = CheckpointManager("vote", store_root=ctx.store_root, replication_factor=2, timeout_s=TIMEOUT_S)
+    m.save_local(_sd(ctx.rank, 1), 1, is_async=False)  # the first save plans (collectives)
+    counts: dict = {}
+    _calling_thread_collectives(counts)
+    per_save = []
+    for step in (2, 3):
+        counts.clear()
+        m.save_local(_sd(ctx.rank, step), step).wait()
+        per_save.append(dict(counts))
+
+    def fails_on_rank_1():
+        if ctx.rank == 1:
+            raise RuntimeError("state function failed on purpose")
+        return _sd(ctx.rank, 4)
+
+    failed = _call(lambda: m.save_local(fails_on_rank_1, 4).wait())[0]
+    control = m._control
+    after = _call(lambda: m.save_local(_sd(ctx.rank, 5), 5).wait() and None)[0]
+    renewed = m._control is not control
+    counts.clear()
+    m.save_local(_sd(ctx.rank, 6), 6).wait()
+    per_save.append(dict(counts))
+    latest = m.find_latest()
+    m.close()
+    return dict(per_save=per_save, failed=failed[0], after=after[0], renewed=renewed, latest=latest)
+
+
+def test_a_cached_save_costs_the_training_thread_one_all_reduce_and_still_renews_after_a_failure(tmp_root):
+    """The renewal check (the lowest count of failed calls over the ranks) travels in the save's
+    structure vote: a cached save enters one all-reduce on the calling thread, not two; after a
+    failed save, the next save's vote decides the renewal on every rank and that save
+    completes on the new groups."""
+    out = run_ranks(_saves_counting_collectives, WS, tmp_root, ranks_per_node=RPN, **RUN)
+    for o in out:
+        assert all(c == {"all_reduce": 1} for c in o["per_save"]), o
+        assert o["failed"] == "failed" and o["after"] == "ok" and o["renewed"], o
+        assert o["latest"] == 6, o

@@ -30,9 +30,12 @@ failed since the last renewal (:class:`FailureCount`), counted where each failur
   be reached) counts, on every rank, whichever part failed — including the stand-in job of a
   rank whose own staging failed (``SavePath._fail_save``), which still votes. A restore drains
   the save thread first, so every rank compares the same count; ``save_local`` does not wait
-  for the saves in flight, so it takes the MIN of the ranks' counts in one all-reduce (a rank
-  whose save thread is still finishing the failed save lags, and the renewal comes a call
-  later on every rank together);
+  for the saves in flight, so it takes the MIN of the ranks' counts (a rank whose save thread
+  is still finishing the failed save lags, and the renewal comes a call later on every rank
+  together) — in the save's own structure vote, the one all-reduce a cached save makes on the
+  calling thread, and renews after it, before the save uses the groups; only a save that does
+  not vote (a caller-built tensor-aware state dict, queued) takes the MIN in an all-reduce of
+  its own first;
 * a healing whose agreement did not say whole counts the same way.
 
 Every failure renews, whatever caused it: a failure that broke no connection (a state function
@@ -134,15 +137,19 @@ class GroupRenewal:
         """Count a failure that every rank raises at the same call (see the module docstring)."""
         self._failures.add()
 
-    def _guarded(self, method, *args, drain: bool = True, counts_failure: bool = True, **kwargs) -> Any:
+    def _guarded(
+        self, method, *args, drain: bool = True, counts_failure: bool = True, check: bool = True, **kwargs
+    ) -> Any:
         """Run a collective manager call with the renewal check first (outermost call only;
-        ``drain``: the call waits for the saves in flight anyway, so the check does first).
-        ``counts_failure``: the call raises on every rank together when it fails, so its
-        failure counts here (``save_local`` counts its own: a rank whose staging failed raises
-        alone, and the save's agreement counts that save on every rank)."""
+        ``drain``: the call waits for the saves in flight anyway, so the check does first;
+        ``check=False``: the call carries the check in a vote of its own, see
+        :meth:`_renew_groups_after_vote`). ``counts_failure``: the call raises on every rank
+        together when it fails, so its failure counts here (``save_local`` counts its own: a
+        rank whose staging failed raises alone, and the save's agreement counts that save on
+        every rank)."""
         outer = self._entered()
         try:
-            if outer:
+            if outer and check:
                 try:
                     if drain:
                         self.wait_for_saves()
@@ -158,6 +165,25 @@ class GroupRenewal:
                 raise
         finally:
             self._left()
+
+    def _renew_groups_after_vote(self, failed: Optional[int]) -> bool:
+        """The renewal check a save's vote carried (``failed``: the lowest count of failed calls
+        over the ranks, None if the save did not vote): renew now, before the save uses the
+        groups, if it grew since the last renewal — decided from the vote, so on every rank
+        alike. A renewal that fails counts and raises on every rank, as the check's does.
+        True if the groups were renewed."""
+        if failed is None or self._group is None or self.world_size == 1:
+            return False
+        if failed <= self._renewed_after_failures:
+            return False
+        try:
+            self._renew_groups(
+                f"{failed - self._renewed_after_failures} checkpoint call(s) failed on every rank"
+            )
+        except BaseException:
+            self._failed_together()
+            raise
+        return True
 
     def _renew_groups_if_due(self, drained: bool) -> None:
         if self._group is None or self.world_size == 1:
@@ -210,8 +236,18 @@ class GroupRenewal:
     # ---- the collective calls ------------------------------------------------------------------
 
     def save_local(self, state_dict: Any, iteration: int, is_async: bool = True, skip_if_busy: bool = False):
+        # A save that votes (a plain state dict's, or any skip-if-busy save) carries the renewal
+        # check in that vote: one all-reduce on the training thread instead of two.
+        votes = skip_if_busy or self._kind != "tasd"
         handle = self._guarded(
-            super().save_local, state_dict, iteration, True, skip_if_busy, drain=False, counts_failure=False
+            super().save_local,
+            state_dict,
+            iteration,
+            True,
+            skip_if_busy,
+            drain=False,
+            counts_failure=False,
+            check=not votes,
         )
         if not is_async and handle is not None:
             # Waited for outside the guard: a failed save counts through its agreement.

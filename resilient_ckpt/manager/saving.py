@@ -171,29 +171,33 @@ class SavePath(SaveCompletion):
             self._bound_queue()
         group = self._ckpt_group()
         staged = _Staged()  # filled as staging goes, so a failure releases what was taken
-        try:
-            # Objects are made per shard below (records, copies, layouts), none of them garbage:
-            # a collection meanwhile would walk the trainer's whole heap, repeatedly. One pause
-            # for the whole call (see gc_pause: what it keeps skips the young generations).
-            with paused_gc():
-                state_dict, probe, cached = self._prepare(
+        # Objects are made per shard below (records, copies, layouts), none of them garbage: a
+        # collection meanwhile would walk the trainer's whole heap, repeatedly. One pause for
+        # the whole call (see gc_pause: what it keeps skips the young generations).
+        with paused_gc():
+            try:
+                state_dict, probe, cached, failed = self._prepare(
                     state_dict, iteration, busy if skip_if_busy else None
                 )
-                if probe is None:  # skipped on every rank: some rank was busy
-                    self.saves_skipped += 1
-                    return None
+            except BaseException as e:
+                self._abandon(iteration, group, staged, e)
+                raise
+            if probe is None:  # skipped on every rank: some rank was busy
+                self.saves_skipped += 1
+                return None
+            # The renewal check the vote carried (manager.groups): a renewal that fails raises
+            # here, counted, with nothing of this save queued — as the check's own failure did.
+            if self._renew_groups_after_vote(failed):
+                group = self._ckpt_group()
+            try:
                 if cached and probe.parts is not None:
                     self._stage_cached(probe, iteration, staged)
                 else:
                     tasd = self._snapshot(state_dict, probe, cached)
                     self._stage(tasd, iteration, staged, probe.parts)
-        except BaseException as e:
-            # Whatever this save left half-made must not decide the next one: this rank's next
-            # vote says "not cached", so every rank takes the general path together.
-            self._structure = None
-            self._release(staged)
-            self._submit_failed(iteration, group, e)
-            raise
+            except BaseException as e:
+                self._abandon(iteration, group, staged, e)
+                raise
         metrics = SaveMetrics(
             iteration=iteration,
             bytes_staged=staged.header.data_nbytes,
@@ -216,11 +220,13 @@ class SavePath(SaveCompletion):
 
     def _prepare(
         self, state_dict: Any, iteration: int, busy: Optional[bool] = None
-    ) -> Tuple[Any, Optional["_Probe"], bool]:
+    ) -> Tuple[Any, Optional["_Probe"], bool, Optional[int]]:
         """Stage 1: the state (a state function is called here), the iteration checked, the
         structure vote; the first save of a job that did not restore retires an earlier run's
-        newer data. Returns the state, this rank's probe and whether every rank's structure
-        cache covers its state (then the save needs no other collective on this thread).
+        newer data. Returns the state, this rank's probe, whether every rank's structure
+        cache covers its state (then the save needs no other collective on this thread) and
+        the lowest count of failed checkpoint calls over the ranks (the group-renewal check,
+        carried by the vote: manager.groups; None where the save does not vote).
         ``busy`` (skip-if-busy saves: whether an earlier save is in flight here) is voted on
         too; the probe is None when some rank was busy: every rank skips this save.
 
@@ -246,17 +252,20 @@ class SavePath(SaveCompletion):
                     probe = self._probe(state_dict)
         except BaseException as e:
             local = e
-        cached, ready = False, True
+        cached, ready, failed = False, True, None
         try:
             what = f"preparing the save of iteration {iteration}"
+            counts = (self._failures.value,)
             if self._kind != "tasd":  # the same on every rank: every save is of the same kind
-                cached, ready = collectives.votes_or_fail(local, (probe.covered, not busy), what, control)
+                cached, ready, failed = collectives.votes_or_fail(
+                    local, (probe.covered, not busy), what, control, least=counts
+                )
             elif busy is not None:  # a tensor-aware state dict saved only if every rank is idle
-                (ready,) = collectives.votes_or_fail(local, (not busy,), what, control)
+                ready, failed = collectives.votes_or_fail(local, (not busy,), what, control, least=counts)
             elif local is not None:
                 raise local  # this rank alone: the save's agreement counts it (manager.groups)
             if not ready:
-                return state_dict, None, False
+                return state_dict, None, False, failed
             if not self._restored and not self._started:
                 self._retire_earlier_run(iteration, control)
         except BaseException:
@@ -264,7 +273,7 @@ class SavePath(SaveCompletion):
                 self._failed_together()  # a vote's outcome: raised on every rank at this call
             raise
         self._started = True
-        return state_dict, probe, cached
+        return state_dict, probe, cached, failed
 
     def _probe(self, state_dict: Any) -> "_Probe":
         """Take the state apart and compare its structure with this rank's cache (local)."""
@@ -520,6 +529,14 @@ class SavePath(SaveCompletion):
                 sorted({it for it, _ in stale}),
             )
         collectives.fail_together(local, "retiring an earlier run's checkpoints", control)
+
+    def _abandon(self, iteration: int, group, staged: "_Staged", error: BaseException) -> None:
+        """This save failed on this rank: release what it took and queue its stand-in job.
+        Whatever it left half-made must not decide the next one: this rank's next vote says
+        "not cached", so every rank takes the general path together."""
+        self._structure = None
+        self._release(staged)
+        self._submit_failed(iteration, group, error)
 
     def _submit_failed(self, iteration: int, group, error: BaseException) -> None:
         """Queue the stand-in of a save that failed on this rank before it started."""

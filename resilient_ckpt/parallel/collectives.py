@@ -286,18 +286,24 @@ def votes_or_fail(
     votes: Sequence[bool],
     what: str,
     group: Optional[dist.ProcessGroup] = None,
-) -> List[bool]:
+    least: Sequence[int] = (),
+) -> List[Any]:
     """:func:`agree_or_fail` of several independent votes in the one all-reduce: for each, True
     on every rank iff no rank failed and every rank voted True (one slot per vote, the minimum
-    over the group; slot 0 says no rank failed)."""
+    over the group; slot 0 says no rank failed). ``least``: ints whose minimum over the group
+    rides along, returned after the votes (a check that would otherwise cost an all-reduce of
+    its own)."""
     if group_size(group) == 1:
         if local is not None:
             raise local
-        return [bool(v) for v in votes]
+        return [bool(v) for v in votes] + [int(x) for x in least]
     ok = local is None
-    flags = all_reduce_ints([int(ok)] + [int(ok and bool(v)) for v in votes], "min", group)
+    n = len(votes)
+    flags = all_reduce_ints(
+        [int(ok)] + [int(ok and bool(v)) for v in votes] + [int(x) for x in least], "min", group
+    )
     if flags[0]:
-        return [bool(f) for f in flags[1:]]
+        return [bool(f) for f in flags[1 : 1 + n]] + flags[1 + n :]
     errors = all_gather_msgpack("" if local is None else describe(local), group)
     _raise_together(errors, what, local, group)
     raise AssertionError("unreachable: a rank voted failure without an error")  # pragma: no cover
