@@ -196,3 +196,37 @@ def test_a_cached_save_costs_the_training_thread_one_all_reduce_and_still_renews
         assert all(c == {"all_reduce": 1} for c in o["per_save"]), o
         assert o["failed"] == "failed" and o["after"] == "ok" and o["renewed"], o
         assert o["latest"] == 6, o
+
+
+def _late_for_a_vote(ctx):
+    """Rank 1 reaches save 2's vote only after rank 0's vote timed out (told through the job's
+    store, no sleeps): the control group's pairs are closed on both sides from then on."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    m = CheckpointManager("late", store_root=ctx.store_root, replication_factor=2, timeout_s=TIMEOUT_S)
+    m.save_local(_sd(ctx.rank, 1), 1, is_async=False)
+    if ctx.rank == 1:
+        store.wait(["late/rank0-failed"])
+    outcomes = [_call(lambda: m.save_local(_sd(ctx.rank, 2), 2).wait())]
+    if ctx.rank == 0:
+        store.set("late/rank0-failed", "1")
+    for step in (3, 4):
+        outcomes.append(_call(lambda step=step: m.save_local(_sd(ctx.rank, step), step).wait() and None))
+    latest = m.find_latest()
+    m.close()
+    return dict(outcomes=outcomes, latest=latest, world=_world_sum_works(ctx))
+
+
+def test_a_rank_late_for_a_saves_vote_fails_that_save_and_the_next_one_renews_and_completes(tmp_root):
+    """A vote that timed out takes the control group down (gloo closes the pairs: every later
+    operation on it fails at once). The failure is counted at the same call on every rank, so
+    the next save renews the groups before anything else — without asking the dead group —
+    and completes; before, every save after the late one failed until the job restarted."""
+    out = run_ranks(_late_for_a_vote, WS, tmp_root, ranks_per_node=RPN, **RUN)
+    for o in out:
+        (first, seconds), *rest = o["outcomes"]
+        assert first[0] == "failed", o
+        assert seconds < 2 * TIMEOUT_S + 2, o
+        assert [r[0] for r in rest] == [("ok", None), ("ok", None)], o
+        assert o["latest"] == 4 and o["world"], o

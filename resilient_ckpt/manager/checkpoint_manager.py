@@ -329,10 +329,13 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         #: the payload's checksums while replication sends it (manager.saving)
         self._checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-checksum")
         #: group renewal after failures (manager.groups): this thread's call depth, the failed
-        #: calls counted alike on every rank, and that count when the groups were last renewed
+        #: calls counted alike on every rank, and that count when the groups were last renewed;
+        #: the same for the calling thread's own failures (no lag: known alike at the next call)
         self._calls = threading.local()
         self._failures = FailureCount()
         self._renewed_after_failures = 0
+        self._calls_failed = 0
+        self._renewed_after_calls = 0
         self._group: Optional[dist.ProcessGroup] = None
         self._control: Optional[dist.ProcessGroup] = None
         self._par_group: Optional[dist.ProcessGroup] = None

@@ -24,7 +24,10 @@ failed since the last renewal (:class:`FailureCount`), counted where each failur
   renewal check itself) fail on every rank together — a rank whose part failed still takes
   part in the step's vote, so every rank raises at the same call (a collective that timed out
   or lost its peer raises on every rank of it too). Each counts its failure as it raises;
-  every rank has counted it before its next call starts, with no collective needed;
+  every rank has counted it before its next call starts, so that call renews first, with no
+  collective at all — the one that failed may have closed its group's pairs (a vote that timed
+  out: every later operation on the control group fails at once, so asking it whether to
+  renew failed every save after, for good);
 * **saves** finish on the save thread with one agreement all-reduce, which says on every rank
   alike whether the save completed; a save that did not (the agreement said no, or could not
   be reached) counts, on every rank, whichever part failed — including the stand-in job of a
@@ -136,6 +139,7 @@ class GroupRenewal:
     def _failed_together(self) -> None:
         """Count a failure that every rank raises at the same call (see the module docstring)."""
         self._failures.add()
+        self._calls_failed += 1
 
     def _guarded(
         self, method, *args, drain: bool = True, counts_failure: bool = True, check: bool = True, **kwargs
@@ -149,11 +153,12 @@ class GroupRenewal:
         every rank)."""
         outer = self._entered()
         try:
-            if outer and check:
+            if outer:
                 try:
                     if drain:
                         self.wait_for_saves()
-                    self._renew_groups_if_due(drained=drain)
+                    if not self._renew_if_calls_failed() and check:
+                        self._renew_groups_if_due(drained=drain)
                 except BaseException:
                     self._failed_together()  # the check's all-reduce or the renewal: every rank
                     raise
@@ -165,6 +170,19 @@ class GroupRenewal:
                 raise
         finally:
             self._left()
+
+    def _renew_if_calls_failed(self) -> bool:
+        """Renew at once if a call on this thread failed since the last renewal: every rank
+        counted it at the same call, so every rank knows without a collective — and the
+        collective that failed may have taken its group down with it (a vote that timed out:
+        every later operation on that group fails at once, so a check on it would fail every
+        call after, for good). True if the groups were renewed."""
+        if self._group is None or self.world_size == 1 or self._calls_failed <= self._renewed_after_calls:
+            return False
+        self._renew_groups(
+            f"{self._calls_failed - self._renewed_after_calls} checkpoint call(s) failed on every rank"
+        )
+        return True
 
     def _renew_groups_after_vote(self, failed: Optional[int]) -> bool:
         """The renewal check a save's vote carried (``failed``: the lowest count of failed calls
@@ -230,6 +248,7 @@ class GroupRenewal:
         for g in old:
             release_checkpoint_group(g)
         self._renewed_after_failures = self._failures.value  # drained: the same on every rank
+        self._renewed_after_calls = self._calls_failed
         if self.rank == 0:
             logger.warning("checkpoint process groups renewed (%s)", why)
 
