@@ -1363,3 +1363,21 @@ def test_an_idle_daemon_uses_no_cpu_after_replicating(tmp_path, keep_last):
         assert max(used) < 0.3, f"daemons used {used} CPU seconds in 1.5 s of idling"
     finally:
         pc.stop()
+
+
+@pytest.mark.multiprocess
+def test_a_daemon_keeping_one_iteration_warns_that_a_failed_agreement_can_leave_none_whole(tmp_path):
+    """The daemon retires from the files before the trainers agree: with --keep-last 1 a save
+    whose agreement fails after publishing can leave no iteration whole. Said at start, with
+    the fix; the default (2) says nothing."""
+    pc = ProcessCluster(tmp_path, 2).start()
+    try:
+        assert pc.nodes[0].events("config_warning") == []
+        pc.nodes[1].kill()
+        pc.nodes[1].start("--keep-last", "1")
+        pc.nodes[1].wait_ready()
+        (warning,) = pc.nodes[1].events("config_warning")
+        assert warning["keep_last"] == 1 and warning["level"] == "warning"
+        assert "no iteration whole" in warning["reason"] and "--keep-last 2" in warning["fix"]
+    finally:
+        pc.stop()

@@ -191,6 +191,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if bad:
                 raise ProtocolConfigError(f"invalid session names {bad}", fix="use plain names without '/'")
         config = config_from_args(args)
+        if config.keep_last == 1:
+            # The daemon retires from the files, before the trainers' agreement: see operations.md.
+            why = (
+                "a save whose agreement fails after every file was published can leave no "
+                "iteration whole (the previous one retired here, the new one discarded by the trainers)"
+            )
+            fix = "use --keep-last 2 (the default) or more"
+            logger.warning(
+                "--keep-last 1: %s; %s",
+                why,
+                fix,
+                extra={"event": "config_warning", "fields": {"keep_last": 1, "reason": why, "fix": fix}},
+            )
         auth = authenticator_from_env(args.secret_file)
         daemon = Daemon(config, auth).start()
     except (CheckpointingException, ValueError) as e:
