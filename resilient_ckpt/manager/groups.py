@@ -171,18 +171,21 @@ class GroupRenewal:
         finally:
             self._left()
 
+    def _renew_if_grown(self, failed: int, renewed_after: int) -> bool:
+        """Renew if the count ``failed`` (of failures counted alike on every rank) grew past
+        ``renewed_after``, its value at the last renewal. True if the groups were renewed."""
+        if self._group is None or self.world_size == 1 or failed <= renewed_after:
+            return False  # (no group yet: first use creates them)
+        self._renew_groups(f"{failed - renewed_after} checkpoint call(s) failed on every rank")
+        return True
+
     def _renew_if_calls_failed(self) -> bool:
         """Renew at once if a call on this thread failed since the last renewal: every rank
         counted it at the same call, so every rank knows without a collective — and the
         collective that failed may have taken its group down with it (a vote that timed out:
         every later operation on that group fails at once, so a check on it would fail every
         call after, for good). True if the groups were renewed."""
-        if self._group is None or self.world_size == 1 or self._calls_failed <= self._renewed_after_calls:
-            return False
-        self._renew_groups(
-            f"{self._calls_failed - self._renewed_after_calls} checkpoint call(s) failed on every rank"
-        )
-        return True
+        return self._renew_if_grown(self._calls_failed, self._renewed_after_calls)
 
     def _renew_groups_after_vote(self, failed: Optional[int]) -> bool:
         """The renewal check a save's vote carried (``failed``: the lowest count of failed calls
@@ -190,29 +193,21 @@ class GroupRenewal:
         groups, if it grew since the last renewal — decided from the vote, so on every rank
         alike. A renewal that fails counts and raises on every rank, as the check's does.
         True if the groups were renewed."""
-        if failed is None or self._group is None or self.world_size == 1:
-            return False
-        if failed <= self._renewed_after_failures:
+        if failed is None:
             return False
         try:
-            self._renew_groups(
-                f"{failed - self._renewed_after_failures} checkpoint call(s) failed on every rank"
-            )
+            return self._renew_if_grown(failed, self._renewed_after_failures)
         except BaseException:
             self._failed_together()
             raise
-        return True
 
     def _renew_groups_if_due(self, drained: bool) -> None:
         if self._group is None or self.world_size == 1:
-            return  # first use creates them
+            return  # first use creates them (and no check runs on a group not made yet)
         failed = self._failures.value
         if not drained:  # saves may still be finishing: every rank takes the lowest count
             failed = collectives.all_reduce_int(failed, "min", self._control)
-        if failed > self._renewed_after_failures:
-            self._renew_groups(
-                f"{failed - self._renewed_after_failures} checkpoint call(s) failed on every rank"
-            )
+        self._renew_if_grown(failed, self._renewed_after_failures)
 
     def _own_groups(self) -> list:
         """The groups this manager made (each once: the parallel group may be the control)."""
