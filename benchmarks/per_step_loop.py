@@ -495,11 +495,14 @@ def _median(values: List[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _run_rank(rank: int, cfg: Dict[str, Any], tmp_root: str) -> Dict[str, Any]:
+def _run_rank(ctx, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank (``resilient_ckpt.bench.launcher.launch``: one per simulated node, its process
+    group up, the known import warnings silenced; it and the writers it forks end together)."""
     import torch
 
     from resilient_ckpt.bench.loop import PrivateMemory
 
+    rank, tmp_root = ctx.rank, ctx.tmp_root
     device = torch.device("cpu")
     if cfg["device"] == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -624,12 +627,6 @@ def _run_rank(rank: int, cfg: Dict[str, Any], tmp_root: str) -> Dict[str, Any]:
     return out
 
 
-def _rank(ctx, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """One rank (``resilient_ckpt.bench.launcher.launch``: one per simulated node, its process
-    group up, the known import warnings silenced; it and the writers it forks end together)."""
-    return _run_rank(ctx.rank, cfg, ctx.tmp_root)
-
-
 # --- the parent ----------------------------------------------------------------------------------
 
 
@@ -640,7 +637,7 @@ def _launch(cfg: Dict[str, Any]) -> List[Dict[str, Any]]:
     mp_context(cuda=cfg["device"] == "cuda")  # GPU ranks: only CUDA-safe preloads in the fork server
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="per-step-", dir=shm) as tmp_root:
-        return launch(_rank, WORLD, tmp_root, ranks_per_node=1, args=(cfg,), timeout=cfg["timeout_s"])
+        return launch(_run_rank, WORLD, tmp_root, ranks_per_node=1, args=(cfg,), timeout=cfg["timeout_s"])
 
 
 def _slowest(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:

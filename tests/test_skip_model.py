@@ -69,33 +69,26 @@ def _state(rank: int, iteration: int):
 
 
 class _Rank:
-    """One rank's side: a manager per example (``reset``), a save it can hold in flight."""
+    """One rank's side (a job per example): its manager, a save it can hold in flight."""
 
     def __init__(self, rank: int, root: str):
-        self.rank, self.root = rank, root
-        self.m = None
+        from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
+
         self.hold_next: Optional[str] = None  # the fault point where the next save is held
         self.release_event = threading.Event()
+        self.rank = rank
+        self.m = CheckpointManager(
+            "skip",
+            store_root=str(Path(root) / f"node{rank}"),
+            replication_factor=2,
+            timeout_s=TIMEOUT_S,
+            fault_hook=self._hook,
+        )
 
     def _hook(self, point: str) -> None:
         if point == self.hold_next:
             self.hold_next = None
             assert self.release_event.wait(timeout=120), "the model never released the held save"
-
-    def reset(self, session: str) -> Any:
-        from resilient_ckpt.manager.checkpoint_manager import CheckpointManager
-
-        self.close()
-        self.release_event.clear()
-        self.hold_next = None
-        self.m = CheckpointManager(
-            session,
-            store_root=str(Path(self.root) / f"node{self.rank}"),
-            replication_factor=2,
-            timeout_s=TIMEOUT_S,
-            fault_hook=self._hook,
-        )
-        return ["ready"]
 
     def save(self, iteration: int, skip: bool, hold: Optional[str], fail: bool, wait: bool) -> Any:
         if hold:  # (never cleared here: the held save may not have reached its hook yet)
@@ -128,9 +121,7 @@ class _Rank:
         return ["latest", self.m.find_latest()]
 
     def close(self) -> None:
-        if self.m is not None:
-            self.m.close()
-            self.m = None
+        self.m.close()
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -145,9 +136,7 @@ class SkipMachine(RuleBasedStateMachine):
         # the failure left hung.
         self.failed = False
         self.job = CommandedJob(WS, 1, _Rank, (str(self.root / uuid.uuid4().hex[:8]),))
-        self.job.start()
-        got = self.job.step("reset", lambda r: ("skip",), range(WS), check_world=False, wait_s=60)
-        assert all(o[0] == ["ready"] for o in got.values()), got
+        self.job.start()  # every rank's manager made
         self.iteration = 0
         self.held_steps: Optional[int] = None  # steps since a save was held; None: none held
         self.pending: List[int] = []  # started, complete once released
