@@ -235,7 +235,7 @@ class PeerReplicator:
                     # them in the trainer's resident set (as replicate() avoids for saves).
                     m, buf = reader.map(populate=False)
                     maps.append(m)
-                    release = functools.partial(drop_pages, m, length=n)
+                    release = functools.partial(drop_pages, m, length=n, base=buf.data_ptr())
                 else:
                     buf = torch.empty(0, dtype=torch.uint8)
                 outgoing.append(Outgoing(r.dest, raw, buf, on_chunk=release))
