@@ -263,8 +263,16 @@ def unpack_envelope(raw: bytes, source: str, magic: str) -> Dict[str, Any]:
 
 
 def writer_name() -> str:
-    """Who wrote a header: ``host:pid``."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """Who wrote a header: ``host:pid`` (made once per process: every save writes it, and
+    ``gethostname`` is a system call that lets the save's background threads take the GIL
+    from the training thread, which then waits for it)."""
+    pid = os.getpid()
+    if _WRITER[0] != pid:
+        _WRITER[:] = [pid, f"{socket.gethostname()}:{pid}"]
+    return _WRITER[1]
+
+
+_WRITER: list = [None, ""]  # [pid, name]: a forked child makes its own
 
 
 def new_layout(offset: int, nbytes: int, dtype: str, shape: Tuple[int, ...], checksum=None) -> TensorLayout:
