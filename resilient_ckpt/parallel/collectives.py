@@ -8,6 +8,7 @@ tensors. On NCCL groups the byte tensors live on the current CUDA device.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -307,6 +308,107 @@ def votes_or_fail(
     errors = all_gather_msgpack("" if local is None else describe(local), group)
     _raise_together(errors, what, local, group)
     raise AssertionError("unreachable: a rank voted failure without an error")  # pragma: no cover
+
+
+class PendingVotes:
+    """:func:`votes_or_fail` started without waiting (:func:`start_votes`): the all-reduce runs
+    on the group's own threads while the caller goes on, and :meth:`result` — callable from any
+    thread, any number of times — gives the same answer on every rank. No second collective on
+    failure: the lowest failing rank rides in the all-reduce, and the others name it (its own
+    log says why), so waiting for the answer never orders anything on the group."""
+
+    def __init__(self, work, flags: torch.Tensor, n: int, what: str, group, local, t0: float):
+        self._work, self._flags, self._n, self._what, self._group = work, flags, n, what, group
+        self._local, self._t0 = local, t0
+        self._lock = threading.Lock()
+        self._answer: Optional[List[Any]] = None
+        self._error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        """The answer is known (:meth:`result` does not wait)."""
+        return (
+            self._answer is not None
+            or self._error is not None
+            or self._work is None
+            or self._work.is_completed()
+        )
+
+    def result(self) -> List[Any]:
+        """The votes (True iff every rank voted True) and the ``least`` values, as
+        :func:`votes_or_fail` returns them; raises on every rank if a rank failed (that rank
+        its own exception, the others a :class:`PeerFailedError` naming it) or if the
+        collective did (a peer gone: the group's timeout)."""
+        with self._lock:
+            if self._answer is None and self._error is None:
+                try:
+                    self._answer = self._wait()
+                except BaseException as e:
+                    self._error = e
+            if self._error is not None:
+                raise self._error
+            return list(self._answer)
+
+    def _wait(self) -> List[Any]:
+        if self._work is not None:
+            try:
+                flags = _completed(self._work, self._flags, self._group)
+            except RuntimeError as e:
+                raise _wrap(e, "all_reduce(min)", self._group, time.monotonic() - self._t0) from e
+        else:
+            flags = [int(v) for v in self._flags.tolist()]
+        n = self._n
+        failed_rank, flags = flags[0], flags[1:]
+        if flags[0]:
+            return [bool(f) for f in flags[1 : 1 + n]] + flags[1 + n :]
+        if self._local is not None:
+            raise self._local
+        r = global_rank(self._group, failed_rank)
+        raise PeerFailedError(
+            f"{self._what} failed on rank {r}, so every rank drops it (rank {r}'s log says why)",
+            rank=r,
+            reason="",
+        )
+
+
+def start_votes(
+    local: Optional[BaseException],
+    votes: Sequence[bool],
+    what: str,
+    group: Optional[dist.ProcessGroup] = None,
+    least: Sequence[int] = (),
+) -> PendingVotes:
+    """:func:`votes_or_fail` without waiting for the other ranks: the caller learns the answer
+    later from :meth:`PendingVotes.result`. The group must see no other collective of this
+    thread until then (a thread's collectives on one group pair up in order on every rank)."""
+    ok = local is None
+    size = group_size(group)
+    values = [group_rank(group) if not ok else size, int(ok)]
+    values += [int(ok and bool(v)) for v in votes] + [int(x) for x in least]
+    t0 = time.monotonic()
+    if size == 1:
+        return PendingVotes(None, torch.tensor(values, dtype=torch.int64), len(votes), what, group, local, t0)
+    t = torch.tensor(values, dtype=torch.int64, device=comm_device(group))
+    try:
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True)
+    except RuntimeError as e:
+        raise _wrap(e, "all_reduce(min)", group, time.monotonic() - t0) from e
+    return PendingVotes(work, t, len(votes), what, group, local, t0)
+
+
+def _completed(work, t: torch.Tensor, group) -> List[int]:
+    """The result of an asynchronous all-reduce into ``t``. A CUDA tensor (an NCCL group) is
+    read once the collective completed, on a stream of its own: waiting through the current
+    stream would also wait for whatever the training queued there."""
+    if t.device.type != "cuda":
+        work.wait()
+        return [int(v) for v in t.tolist()]
+    deadline = time.monotonic() + _TIMEOUTS.get(id(group), 600.0)
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise RuntimeError("timed out waiting for a vote's all-reduce")
+        time.sleep(0.0002)
+    with torch.cuda.stream(torch.cuda.Stream(t.device)):
+        return [int(v) for v in t.to("cpu").tolist()]
 
 
 def vote(local: Optional[BaseException], agree: bool) -> List[Any]:
