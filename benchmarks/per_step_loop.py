@@ -235,7 +235,7 @@ class _Ours:
 
     name = "ours"
 
-    def __init__(self, wl: _Workload, store_root: str, session: str):
+    def __init__(self, wl: _Workload, store_root: str, session: str, when_busy: str):
         from resilient_ckpt import CheckpointHook, CheckpointManager, TrainState
 
         self.wl, self.store_root, self.session = wl, store_root, session
@@ -254,7 +254,7 @@ class _Ours:
                 self.state_dict_s.append(time.perf_counter() - t0)
 
         self.state.sharded_state_dict = timed
-        self.hook = CheckpointHook(self.manager, every_n_steps=1, state=self.state, when_busy="skip")
+        self.hook = CheckpointHook(self.manager, every_n_steps=1, state=self.state, when_busy=when_busy)
         self.saves: List[Any] = []  # (step, SaveMetrics): the fence adds to stall_s later
         self.at_risk: List[int] = []
         self.at_risk_steps: List[int] = []  # the steps hook.step saw
@@ -521,7 +521,7 @@ def _run_rank(ctx, cfg: Dict[str, Any]) -> Dict[str, Any]:
     wl.optimizer.register_step_pre_hook(lambda *_a, **_k: marks.__setitem__("pre", time.perf_counter()))
     system: Any
     if cfg["system"] == "ours":
-        system = _Ours(wl, store_root, session)
+        system = _Ours(wl, store_root, session, cfg["when_busy"])
     elif cfg["system"] == "nvrx":
         system = _Nvrx(wl, rank, WORLD, tmp_root, session)
     else:
@@ -750,7 +750,13 @@ def _config(args, wl: str) -> Dict[str, Any]:
         value = getattr(args, f"nvrx_{key}")
         if value is not None:
             cfg["nvrx"][key] = value
-    cfg.update(workload=wl, device=args.device, verify=not args.no_verify, timeout_s=args.timeout)
+    cfg.update(
+        workload=wl,
+        device=args.device,
+        verify=not args.no_verify,
+        timeout_s=args.timeout,
+        when_busy=args.when_busy,
+    )
     return cfg
 
 
@@ -781,6 +787,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--nvrx-steps", type=int, help="measured steps of nvrx (default: as --steps; b: 2)")
     p.add_argument("--nvrx-warmup", type=int, help="warm-up steps of nvrx (default: as --warmup; b: 2)")
     p.add_argument("--no-verify", action="store_true", help="skip the restore check of ours")
+    p.add_argument(
+        "--when-busy",
+        choices=("skip", "skip_in_background"),
+        default="skip_in_background",
+        help="ours: the hook's when_busy (skip: the ranks vote on the training thread)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per (workload, system) run")
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args(argv)

@@ -5,7 +5,10 @@ Model-based (hypothesis stateful testing) over real processes: 3 gloo ranks, eac
 simulated node (a store root each), replicas (factor 2), one ``CheckpointManager`` per rank
 kept across the steps of an example. Random sequences of:
 
-* saves with ``skip_if_busy`` or queued (the default), of a state that differs every step;
+* saves with ``skip_if_busy`` or queued (the default), of a state that differs every step; the
+  skip-if-busy saves voting on the calling thread, or (the second run) in the background
+  (``vote_in_background``: a rank idle itself starts its copies and returns a handle, which
+  says whether the vote then dropped the save on every rank);
 * a save held in flight on a random rank until a later step releases it — one save may queue
   behind it, as the manager allows: held before the agreement (in flight on every rank: the
   others wait in the agreement), or after it (in flight on that rank only: the others have
@@ -90,7 +93,9 @@ class _Rank:
             self.hold_next = None
             assert self.release_event.wait(timeout=120), "the model never released the held save"
 
-    def save(self, iteration: int, skip: bool, hold: Optional[str], fail: bool, wait: bool) -> Any:
+    def save(
+        self, iteration: int, skip: bool, hold: Optional[str], fail: bool, wait: bool, background: bool
+    ) -> Any:
         if hold:  # (never cleared here: the held save may not have reached its hook yet)
             self.hold_next = hold
 
@@ -100,16 +105,20 @@ class _Rank:
             return _state(self.rank, iteration)
 
         try:
-            handle = self.m.save_local(build, iteration, skip_if_busy=skip)
+            handle = self.m.save_local(
+                build, iteration, skip_if_busy=skip, vote_in_background=skip and background
+            )
+            if handle is not None and handle.skipped():  # dropped on every rank by the vote
+                handle.wait()  # (its copies ended: the next step starts idle)
+                handle = None
+            if handle is not None and wait:
+                handle.wait()
         except Exception as e:
             self.m.wait_for_saves()  # its stand-in job votes no; the next step starts idle
             return ["failed", type(e).__name__, self.m.saves_skipped]
         if handle is None:
             return ["skipped", self.m.saves_skipped]
-        if wait:
-            handle.wait()
-            return ["complete", self.m.saves_skipped]
-        return ["started", self.m.saves_skipped]
+        return ["complete" if wait else "started", self.m.saves_skipped]
 
     def release(self) -> Any:
         self.release_event.set()
@@ -129,6 +138,8 @@ class _Rank:
 
 class SkipMachine(RuleBasedStateMachine):
     root: Path
+    #: skip-if-busy saves vote in the background (``vote_in_background``)
+    background: bool = False
 
     @initialize()
     def start(self):
@@ -184,12 +195,15 @@ class SkipMachine(RuleBasedStateMachine):
         wait = not held and hold is None
         got = self.job.step(
             "save",
-            lambda r: (it, skip, point if r == hold else None, r == fail, wait),
+            lambda r: (it, skip, point if r == hold else None, r == fail, wait, self.background),
             range(WS),
             check_world=True,
             wait_s=STEP_BOUND_S + 30,
         )
-        what = f"save {it} (skip_if_busy={skip}, held={held}, hold on {hold} {point}, fail on {fail})"
+        what = (
+            f"save {it} (skip_if_busy={skip}, held={held}, hold on {hold} {point}, fail on {fail}, "
+            f"background={self.background})"
+        )
         outcome = self._same(got, what)
         if skip and held:
             self.skipped += 1
@@ -236,8 +250,10 @@ class SkipMachine(RuleBasedStateMachine):
             job.kill()
 
 
-def test_every_rank_decides_alike_whether_a_save_is_skipped(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["vote_on_calling_thread", "vote_in_background"])
+def test_every_rank_decides_alike_whether_a_save_is_skipped(tmp_path, background):
     SkipMachine.root = tmp_path
+    SkipMachine.background = background
     run_state_machine_as_test(
         SkipMachine,
         settings=settings(

@@ -348,6 +348,11 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         self._in_flight: Deque[Tuple[int, Future]] = deque()
         #: saves skipped on every rank because an earlier one was in flight (skip_if_busy)
         self.saves_skipped = 0
+        #: saves that vote in the background (manager.saving): every rank's structure cache
+        #: holds, as the last answer every rank received said, and that call's vote unanswered
+        self._caches_agreed = False
+        self._pending_vote = None
+        self._settled_least: Optional[int] = None
         #: this rank's complete checkpoints' segments, kept mapped (GPU state: page-locked)
         #: until retired, when one becomes the next save's spare (manager.saving)
         self._own_segments: Dict[int, Segment] = {}
@@ -483,6 +488,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
     def close(self) -> None:
         """Finish queued saves and release threads, process groups and the spare segment
         (store files stay)."""
+        self._settle_vote()  # its collective must end before the groups are released
         self.wait_for_saves()
         if self._tier is not None:
             self._tier.close()

@@ -154,6 +154,9 @@ class GroupRenewal:
         outer = self._entered()
         try:
             if outer:
+                # The last background vote's answer (manager.saving) first: a failure it reports
+                # counts here, at the same call on every rank, and renews below.
+                self._settle_vote()
                 try:
                     if drain:
                         self.wait_for_saves()
@@ -249,7 +252,14 @@ class GroupRenewal:
 
     # ---- the collective calls ------------------------------------------------------------------
 
-    def save_local(self, state_dict: Any, iteration: int, is_async: bool = True, skip_if_busy: bool = False):
+    def save_local(
+        self,
+        state_dict: Any,
+        iteration: int,
+        is_async: bool = True,
+        skip_if_busy: bool = False,
+        vote_in_background: bool = False,
+    ):
         # A save that votes (a plain state dict's, or any skip-if-busy save) carries the renewal
         # check in that vote: one all-reduce on the training thread instead of two.
         votes = skip_if_busy or self._kind != "tasd"
@@ -259,6 +269,7 @@ class GroupRenewal:
             iteration,
             True,
             skip_if_busy,
+            vote_in_background,
             drain=False,
             counts_failure=False,
             check=not votes,

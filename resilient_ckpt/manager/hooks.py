@@ -33,6 +33,13 @@ from .checkpoint_manager import CheckpointManager, SaveHandle
 
 logger = logging.getLogger(__name__)
 
+#: ``when_busy`` -> what ``save_local`` is asked for
+WHEN_BUSY: Dict[str, Dict[str, bool]] = {
+    "queue": {},
+    "skip": {"skip_if_busy": True},
+    "skip_in_background": {"skip_if_busy": True, "vote_in_background": True},
+}
+
 
 class CheckpointHook:
     """Saves every ``every_n_steps`` steps and restores at start-up (see the module docstring).
@@ -55,7 +62,12 @@ class CheckpointHook:
             ranks vote in the save's one collective) and the next step saves instead — the
             step never waits, and with ``every_n_steps=1`` checkpoints come as often as the
             copies and the wire allow (``metrics.interval_steps`` says how often that is).
-            A save is due ``every_n_steps`` steps after the last one started.
+            ``"skip_in_background"``: the same rule, but the step makes no collective and
+            waits for no other rank: an idle rank starts its copies at once and the ranks vote
+            in the background; a save that some rank could not take is dropped on every rank
+            and counted skipped at the next step (``step()`` returned its handle: see
+            ``SaveHandle.skipped``). A save is due ``every_n_steps`` steps after the last one
+            started (skip modes).
 
     Attributes: ``saved_steps`` (steps at which a save was started, successful or not),
     ``failed_steps`` and ``failed_saves`` (saves that failed: the metric to alert on),
@@ -77,10 +89,11 @@ class CheckpointHook:
         optimizer: Optional[torch.optim.Optimizer] = None,
         when_busy: str = "queue",
     ):
-        if when_busy not in ("queue", "skip"):
+        if when_busy not in WHEN_BUSY:
             raise ValidationError(
-                f"when_busy must be 'queue' (wait behind a running save) or 'skip' (skip the "
-                f"save, take the next step's), got {when_busy!r}"
+                f"when_busy must be 'queue' (wait behind a running save), 'skip' (skip the "
+                f"save, take the next step's) or 'skip_in_background' (the same, decided off "
+                f"the training thread), got {when_busy!r}"
             )
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValidationError(
@@ -117,7 +130,7 @@ class CheckpointHook:
     # ---- training loop side ------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        if self.when_busy == "skip":  # a skipped save is due again at the next step
+        if self.when_busy != "queue":  # a skipped save is due again at the next step
             return step - self._last_started >= self.every_n_steps
         return (step + 1) % self.every_n_steps == 0
 
@@ -133,7 +146,7 @@ class CheckpointHook:
         if not self.should_save(step):
             return None
         fn = state_fn or self.state_fn or self.state.sharded_state_dict
-        skip = {"skip_if_busy": True} if self.when_busy == "skip" else {}
+        skip = WHEN_BUSY[self.when_busy]
         try:
             handle = self.manager.save_local(fn, iteration=step, **skip)
         except CheckpointingException as e:
@@ -205,13 +218,28 @@ class CheckpointHook:
         self.fence()
 
     def _collect_finished(self) -> None:
+        self._drop_skipped()
         done = [h for h in self._pending if h.done()]
         self._pending = [h for h in self._pending if h not in done]
         self._note_complete(done)
         self._report([(h.iteration, h.exception()) for h in done if h.exception() is not None])
 
+    def _drop_skipped(self) -> None:
+        """``skip_in_background``: a save that started here but that the ranks' vote dropped
+        on every rank counts as skipped, not started, and the next step is due again."""
+        if self.when_busy != "skip_in_background":
+            return
+        dropped = [h for h in self._pending if h.skipped()]
+        if not dropped:
+            return
+        self._pending = [h for h in self._pending if h not in dropped]
+        gone = {h.iteration for h in dropped}
+        self.saved_steps = [s for s in self.saved_steps if s not in gone]
+        self.skipped_saves += len(dropped)
+        self._last_started = self.saved_steps[-1] if self.saved_steps else -1
+
     def _note_complete(self, done: List[SaveHandle]) -> None:
-        ok = [h.iteration for h in done if h.exception() is None]
+        ok = [h.iteration for h in done if h.exception() is None and not h.metrics.skipped]
         if ok:
             self._completed_step = max(self._completed_step, *ok)
 
@@ -233,6 +261,7 @@ class CheckpointHook:
 
     def finish(self) -> None:
         """Wait for outstanding saves (end of training); reports failures like :meth:`step`."""
+        self._drop_skipped()
         pending, self._pending = self._pending, []
         failures = []
         for h in pending:

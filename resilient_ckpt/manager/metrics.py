@@ -44,6 +44,9 @@ class SaveMetrics:
     pinned_held_bytes: int = 0
     #: the GPU tensors were staged through a copy within the GPU (the stall ended there)
     device_snapshot: bool = False
+    #: started before the ranks voted (``vote_in_background``) and dropped on every rank: a
+    #: rank was busy or its structure had changed (``SaveHandle.skipped``)
+    skipped: bool = False
 
     def as_dict(self) -> Dict[str, float]:
         return dict(self.__dict__)
@@ -94,11 +97,25 @@ class HealMetrics:
 class SaveHandle:
     """The future of one ``save_local``."""
 
-    def __init__(self, iteration: int, staging: StagingHandle, future: Future, metrics: SaveMetrics):
+    def __init__(
+        self,
+        iteration: int,
+        staging: StagingHandle,
+        future: Future,
+        metrics: SaveMetrics,
+        dropped: Optional[Callable[[], bool]] = None,
+    ):
         self.iteration = iteration
         self._staging = staging
         self._future = future
         self.metrics = metrics
+        self._dropped = dropped
+
+    def skipped(self) -> bool:
+        """True if this save was dropped on every rank: it started before the ranks' vote
+        (``vote_in_background``), which found a rank busy or with a changed structure. Waits
+        for that vote's answer (normally in by the next step); False for any other save."""
+        return self._dropped is not None and self._dropped()
 
     def fence(self, stream=None) -> None:
         """Order the mutation of the saved tensors after their copies, without a CPU wait for

@@ -50,6 +50,9 @@ class _SaveJob:
     staging: StagingHandle
     metrics: SaveMetrics
     t_start: float
+    #: a save that started before the ranks voted (``vote_in_background``): goes on only if
+    #: every rank was ready with its cache's structure
+    vote: Optional[collectives.PendingVotes] = None
 
 
 @dataclass
@@ -128,6 +131,8 @@ class SaveCompletion:
 
     def _finish_save(self, job: _SaveJob, group) -> SaveMetrics:
         """The save thread's job: store and replicate, agree on every rank, then retire."""
+        if job.vote is not None and not self._voted_on(job):
+            return job.metrics  # dropped on every rank (a rank was busy or its structure changed)
         outcome = self._store_and_replicate(job, group)
         agreed = self._agree(job, group, outcome)
         m = job.metrics
@@ -147,6 +152,34 @@ class SaveCompletion:
         self._fault("after_confirmation")
         self._complete_save(job, confirmed)
         return m
+
+    def _voted_on(self, job: _SaveJob) -> bool:
+        """A save that started before its vote: the answer, before anything reaches a peer.
+        True: every rank goes on. Else the save is dropped here on every rank alike — its
+        copies are let finish and its segment goes back to the pool — and counted skipped, or
+        (the vote failed) raised; the calling thread counts that failure at its next call."""
+        try:
+            holds, ready, _least = job.vote.result()
+            error = None
+        except BaseException as e:
+            holds, ready, error = False, False, e
+        if holds and ready:
+            return True
+        try:
+            job.staging.wait()
+        except Exception as e:
+            logger.debug("dropped save of iteration %d: copies: %s", job.iteration, e)
+        segment = job.segment or job.staging.segment()
+        if segment is not None:
+            self.store.release(segment)
+        if error is not None:
+            raise CheckpointingException(
+                f"local checkpoint of iteration {job.iteration} was dropped on every rank: {error}"
+            ) from error
+        job.metrics.skipped = True
+        with self._lock:
+            self.saves_skipped += 1
+        return False
 
     def _store_and_replicate(self, job: _SaveJob, group) -> "_Outcome":
         """Wait for the copies, checksum, publish, replicate — timed stage by stage. A failure

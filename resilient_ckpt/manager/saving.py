@@ -149,7 +149,12 @@ class SavePath(SaveCompletion):
     """``save_local`` (mixed into ``CheckpointManager``; the save thread's job: its base)."""
 
     def save_local(
-        self, state_dict: Any, iteration: int, is_async: bool = True, skip_if_busy: bool = False
+        self,
+        state_dict: Any,
+        iteration: int,
+        is_async: bool = True,
+        skip_if_busy: bool = False,
+        vote_in_background: bool = False,
     ) -> Optional[SaveHandle]:
         """Snapshot ``state_dict`` (a sharded state dict, an MCoreTensorAwareStateDict, or a
         callable returning one — preferred in loops: if it raises on some ranks, every rank
@@ -163,7 +168,23 @@ class SavePath(SaveCompletion):
         ``saves_skipped``) instead of waiting for it; a state function is then not called on
         a rank that is busy itself. Decided in the save's one structure vote (see
         :meth:`_prepare`), so it costs no collective of its own.
+
+        ``vote_in_background`` (with ``skip_if_busy``): the calling thread makes no collective
+        and waits for no other rank. A rank that is idle and whose state has its cache's
+        structure starts its copies at once and returns the handle; the ranks' vote runs in
+        the background, and a save that some rank could not take (busy, a changed structure)
+        is dropped on every rank — ``handle.skipped()`` says so once the vote is in, and
+        ``saves_skipped`` counts it. A rank busy itself returns None, as it skips whatever the
+        others vote. The first save, and the first after a structure change or a failure that
+        every rank heard of, still vote on the calling thread (see :meth:`_save_voting_later`).
         """
+        if vote_in_background and not skip_if_busy:
+            raise ValidationError(
+                "vote_in_background=True needs skip_if_busy=True: only a save that every rank may "
+                "drop can start before the ranks have voted"
+            )
+        if vote_in_background and is_async and self._caches_agreed and self.world_size > 1:
+            return self._save_voting_later(state_dict, iteration)
         t0 = time.perf_counter()
         locked0 = pinning.locked_by_this_thread()
         busy = skip_if_busy and self._busy()
@@ -174,6 +195,7 @@ class SavePath(SaveCompletion):
         # Objects are made per shard below (records, copies, layouts), none of them garbage: a
         # collection meanwhile would walk the trainer's whole heap, repeatedly. One pause for
         # the whole call (see gc_pause: what it keeps skips the young generations).
+        self._caches_agreed = False  # until this save's collective parts agree again
         with paused_gc():
             try:
                 state_dict, probe, cached, failed = self._prepare(
@@ -191,13 +213,30 @@ class SavePath(SaveCompletion):
                 group = self._ckpt_group()
             try:
                 if cached and probe.parts is not None:
+                    self._caches_agreed = True  # every rank voted that its cache covers its state
                     self._stage_cached(probe, iteration, staged)
                 else:
                     tasd = self._snapshot(state_dict, probe, cached)
+                    # the general path's checks passed on every rank: every cache is renewed
+                    self._caches_agreed = self._kind == "dict"
                     self._stage(tasd, iteration, staged, probe.parts)
             except BaseException as e:
                 self._abandon(iteration, group, staged, e)
                 raise
+        return self._queue_save(iteration, staged, group, t0, locked0, is_async)
+
+    def _queue_save(
+        self,
+        iteration: int,
+        staged: "_Staged",
+        group,
+        t0: float,
+        locked0: int,
+        is_async: bool = True,
+        vote: Optional[collectives.PendingVotes] = None,
+    ) -> SaveHandle:
+        """Queue the save thread's job for a staged save (``vote``: the background vote that
+        decides whether it goes on) and return its handle."""
         metrics = SaveMetrics(
             iteration=iteration,
             bytes_staged=staged.header.data_nbytes,
@@ -205,18 +244,112 @@ class SavePath(SaveCompletion):
             pinned_on_save_bytes=pinning.locked_by_this_thread() - locked0,
             device_snapshot=staged.staging.snapshot,
         )
-        job = _SaveJob(iteration, staged.segment, staged.header, staged.staging, metrics, t0)
+        job = _SaveJob(iteration, staged.segment, staged.header, staged.staging, metrics, t0, vote)
         self._last_saved = iteration
         self.latest_iteration = -1  # invalidates find_latest's cache, like nvidia-resiliency-ext
         future = self._worker.submit(self._finish_save, job, group)
         with self._lock:
             self._in_flight.append((iteration, future))
         metrics.stall_s = time.perf_counter() - t0
-        handle = SaveHandle(iteration, staged.staging, future, metrics)
+        dropped = (lambda: _dropped(vote)) if vote is not None else None
+        handle = SaveHandle(iteration, staged.staging, future, metrics, dropped)
         if not is_async:
             handle.wait_staged()
             handle.wait()
         return handle
+
+    def _save_voting_later(self, state_dict: Any, iteration: int) -> Optional[SaveHandle]:
+        """A skip-if-busy save whose vote runs in the background (``vote_in_background``):
+        this rank decides from what it knows alone and starts its all-reduce without waiting.
+
+        Which way a call goes must be the same on every rank, so it follows only answers every
+        rank received: this way while the last answer said every rank's structure cache holds
+        (``_caches_agreed``), else :meth:`save_local`'s own vote on the calling thread. Here:
+
+        * busy (a save in flight on this rank): vote "not ready", return None (skipped);
+        * else the state is built and taken apart; its cache's structure: the copies start
+          (:meth:`_stage_cached`) and the job is queued with the vote; the save thread waits
+          for the answer before anything reaches a peer, and drops the save on every rank
+          unless every rank was ready with its cache's structure;
+        * a structure change: vote "changed", return None — every rank drops this save and the
+          next call takes the general path together (the answer says so on every rank);
+        * a failure (the state function, staging): vote it and raise; every rank drops the save
+          (the others' handles fail, naming this rank) and counts one failed call.
+
+        The answer is settled at the next manager call (:meth:`_settle_vote`), when every rank
+        has long voted: a training loop with a save due each step waits for no other rank.
+        """
+        t0 = time.perf_counter()
+        locked0 = pinning.locked_by_this_thread()
+        self._settle_vote()  # (done already by the call's guard: manager.groups)
+        if self._renew_groups_after_vote(self._settled_least):
+            self._settled_least = None
+        busy = self._busy()
+        group, control = self._ckpt_group(), self._control_group()
+        staged, probe = _Staged(), _Probe()
+        local: Optional[BaseException] = None
+        with paused_gc():  # objects per shard, none of them garbage (see save_local)
+            try:
+                self._check_iteration(iteration)
+                if not busy:
+                    if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
+                        state_dict = state_dict()
+                    if _is_tasd(state_dict):
+                        raise ValidationError(
+                            "save_local was given a tensor-aware state dict after sharded state "
+                            "dicts; pass one kind of state to a CheckpointManager"
+                        )
+                    probe = self._probe(state_dict)
+                    if probe.covered and probe.parts is not None:
+                        self._stage_cached(probe, iteration, staged)
+                    elif probe.covered:
+                        tasd = self._snapshot(state_dict, probe, True)
+                        self._stage(tasd, iteration, staged)
+            except BaseException as e:
+                local = e
+            # A busy rank's structure is not looked at now: it holds unless a failure dropped it.
+            holds = probe.covered if not busy else self._structure is not None
+            what = f"the save of iteration {iteration}"
+            try:
+                vote = collectives.start_votes(
+                    local, (holds, not busy), what, control, least=(self._failures.value,)
+                )
+            except BaseException:
+                self._structure = None
+                self._release(staged)
+                self._failed_together()  # the other ranks' answers fail with it
+                raise
+        self._pending_vote = vote
+        if local is not None:
+            # Nothing of it reaches a peer: the answer drops it on every rank (no stand-in job).
+            self._structure = None
+            self._release(staged)
+            logger.warning("save of iteration %s failed on rank %d: %s", iteration, self.rank, local)
+            raise local
+        if staged.header is None:  # busy, or a changed structure: dropped on every rank
+            with self._lock:
+                self.saves_skipped += 1
+            return None
+        return self._queue_save(iteration, staged, group, t0, locked0, vote=vote)
+
+    def _settle_vote(self) -> None:
+        """Take in the answer of the last background vote (every manager call starts here, so
+        every rank takes it in at the same call): a changed structure or a failure sends the
+        next save down the calling thread's vote; a failure counts as a failed call on every
+        rank (the groups are renewed before this call's collectives); the lowest failure count
+        it carried is kept for the next save's renewal check."""
+        pending, self._pending_vote = self._pending_vote, None
+        if pending is None:
+            return
+        try:
+            holds, _ready, self._settled_least = pending.result()
+        except BaseException as e:
+            self._caches_agreed = False
+            self._failed_together()
+            logger.debug("background vote failed: %s", e)
+            return
+        if not holds:
+            self._caches_agreed = False
 
     def _prepare(
         self, state_dict: Any, iteration: int, busy: Optional[bool] = None
@@ -618,3 +751,13 @@ def _device_types(tensors) -> List[str]:
     """Each tensor's device type, as ``pop_tensors`` records them (``Tensor.device`` builds an
     object per call: 3x slower than ``is_cpu``)."""
     return [("cpu" if t.is_cpu else t.device.type) for t in tensors]
+
+
+def _dropped(vote: collectives.PendingVotes) -> bool:
+    """A background vote answered that some rank was busy or had another structure: the save
+    is dropped on every rank (False when the vote failed: the save's handle reports that)."""
+    try:
+        holds, ready, _least = vote.result()
+    except BaseException:
+        return False
+    return not (holds and ready)

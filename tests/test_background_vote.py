@@ -1,0 +1,249 @@
+"""A checkpoint every step whose vote runs off the training thread
+(``CheckpointHook(when_busy="skip_in_background")``, ``save_local(vote_in_background=True)``).
+
+The training thread makes no collective for such a save and waits for no other rank: a rank
+that is idle and whose state has its cache's structure starts its copies and returns; the
+ranks' vote (busy? same structure? failed?) runs in the background, and a save some rank could
+not take is dropped on every rank before anything reaches a peer. Specified here, over 3 real
+gloo ranks: the calling thread's collectives per save (none), every rank keeping and dropping
+the same saves while one holds a save in flight, a structure change and a failing state
+function agreed by every rank, and the restored state bit-exact to what was saved.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from harness import run_ranks
+from resilient_ckpt import CheckpointHook, CheckpointManager, ShardedTensor, TrainState
+from resilient_ckpt.errors import ValidationError
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _state(seed: int = 0) -> TrainState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return TrainState(model, opt, extra={"data_position": 0})
+
+
+def _train_step(state: TrainState) -> None:
+    g = torch.Generator().manual_seed(state.extra["data_position"])
+    state.optimizer.zero_grad()
+    state.model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    state.optimizer.step()
+    state.extra["data_position"] += 1
+
+
+class _Hold:
+    """Holds this process's save thread at ``point`` until ``release`` is set."""
+
+    def __init__(self, point: str) -> None:
+        self.point = point
+        self.release = threading.Event()
+        self.held = threading.Event()
+
+    def __call__(self, point: str) -> None:
+        if point == self.point and not self.release.is_set():
+            self.held.set()
+            assert self.release.wait(timeout=60), "the test never released the held save"
+
+
+class _CountCollectives:
+    """The collectives this thread makes (torch.distributed's, on any group): ``calls`` those it
+    waits for, ``started`` those it starts without waiting (``async_op=True``)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "all_to_all")
+
+    def __init__(self, monkeypatch) -> None:
+        import torch.distributed as dist
+
+        self.calls, self.started = [], []
+        me = threading.get_ident()
+        for name in self.NAMES:
+            real = getattr(dist, name)
+
+            def counted(*a, _real=real, _name=name, **k):
+                if threading.get_ident() == me:
+                    (self.started if k.get("async_op") else self.calls).append(_name)
+                return _real(*a, **k)
+
+            monkeypatch.setattr(dist, name, counted)
+
+
+def _rank_saves_every_step(ctx, steps: int, held_from: int, held_until: int):
+    """Each rank trains with a save due at every step, each save finished before the next step;
+    except that rank 1 holds the save of step ``held_from`` after its last collective (only rank
+    1 stays busy) until step ``held_until``.
+    Returns what each rank's hook did and what the calling thread's collectives were."""
+    import torch.distributed as dist
+    from _pytest.monkeypatch import MonkeyPatch
+
+    hold = _Hold("after_confirmation")
+    state = _state(seed=ctx.rank)
+    holding = ctx.rank == 1
+    with CheckpointManager(
+        "bg",
+        store_root=ctx.store_root,
+        replication_factor=2,
+        keep_last=1,
+        fault_hook=lambda p: hold(p) if holding and armed.is_set() else None,
+    ) as m:
+        armed = threading.Event()
+        hook = CheckpointHook(m, every_n_steps=1, state=state, when_busy="skip_in_background")
+        returned, collectives_per_step = [], []
+        mp = MonkeyPatch()
+        try:
+            for step in range(steps):
+                _train_step(state)
+                if step == held_from:
+                    armed.set()
+                counter = _CountCollectives(mp) if step >= 2 else None
+                h = hook.step(step)
+                if counter is not None:
+                    mp.undo()
+                    collectives_per_step.append((list(counter.calls), list(counter.started)))
+                returned.append(h is not None)
+                if holding and step == held_from:
+                    assert hold.held.wait(timeout=60), "the held save never reached its hold"
+                    armed.clear()
+                if holding and step == held_until:
+                    hold.release.set()
+                if not (holding and held_from <= step < held_until):
+                    # every other save ends before the next step: which ones are kept is then
+                    # decided by the hold alone, not by how fast this machine copies
+                    hook.finish()
+        finally:
+            mp.undo()
+        hook.finish()
+        metrics = hook.metrics.as_dict()
+        latest = m.find_latest()
+        hook.close()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the job's own group still works
+    return dict(
+        saved_steps=list(hook.saved_steps),
+        skipped=hook.skipped_saves,
+        manager_skipped=m.saves_skipped,
+        failed=hook.failed_saves,
+        metrics=metrics,
+        latest=latest,
+        returned=returned,
+        collectives=collectives_per_step,
+        group_sum=float(t.item()),
+    )
+
+
+def test_a_save_every_step_makes_no_collective_on_the_training_thread_and_ranks_keep_the_same_saves(tmp_root):
+    steps, held_from, held_until = 14, 4, 8
+    results = run_ranks(
+        _rank_saves_every_step, 3, tmp_root, ranks_per_node=1, args=(steps, held_from, held_until)
+    )
+    first = results[0]
+    for r in results:
+        # every rank kept and dropped the same saves, and counted them alike
+        assert r["saved_steps"] == first["saved_steps"], results
+        assert r["skipped"] == first["skipped"] == r["manager_skipped"], results
+        assert r["failed"] == 0 and r["group_sum"] == 3.0
+        # no collective that the calling thread waits for, after the first saves: one vote
+        # started per due step, answered in the background
+        assert all(c == ([], ["all_reduce"]) for c in r["collectives"]), r["collectives"]
+    saved = first["saved_steps"]
+    # rank 1 held the save of step 4 in flight (only there) until step 8: 5..8 skipped alike
+    assert held_from in saved and not any(held_from < s <= held_until for s in saved), saved
+    assert saved[-1] == steps - 1 and first["skipped"] == steps - len(saved)
+    # rank 1 returned None where it was busy; the others returned handles the vote then dropped
+    assert results[1]["returned"][held_from + 1 : held_until + 1] == [False] * (held_until - held_from)
+    assert results[0]["returned"][held_from + 1] is True
+    assert first["latest"] == steps - 1
+    m = first["metrics"]
+    assert m["saves_started"] == len(saved) and m["saves_skipped"] == first["skipped"]
+    assert m["last_complete_step"] == steps - 1 and m["steps_at_risk"] == 0
+
+
+def _rank_structure_change_and_failure(ctx):
+    """Saves with the background vote: a steady structure, then a tensor added on rank 2
+    only, then a state function that raises on rank 0; then steady again. Returns, per call,
+    what this rank saw, and the restored state."""
+    import torch.distributed as dist
+
+    calls = []
+    with CheckpointManager("bgs", store_root=ctx.store_root, replication_factor=2, keep_last=1) as m:
+
+        def state(it: int, extra: bool = False):
+            sd = {
+                "w": ShardedTensor.from_rank_offsets(
+                    "w", torch.full((4, 4), float(it + ctx.rank)), (0, ctx.rank, 3)
+                ),
+                "step": it,
+            }
+            if extra:
+                sd["b"] = ShardedTensor.from_rank_offsets("b", torch.arange(3.0) + it)  # rank 2 only
+            return sd
+
+        def save(it: int, extra: bool = False, fail: bool = False):
+            def build():
+                if fail:
+                    raise RuntimeError(f"state function failed on purpose at {it}")
+                return state(it, extra)
+
+            try:
+                h = m.save_local(build, it, skip_if_busy=True, vote_in_background=True)
+            except Exception as e:
+                calls.append(("raised", type(e).__name__))
+                return
+            if h is None:
+                calls.append(("none",))
+                return
+            try:
+                h.wait()
+                calls.append(("skipped",) if h.skipped() else ("complete", h.metrics.structure_cached))
+            except Exception as e:
+                calls.append(("failed", type(e).__name__))
+
+        save(1)  # first save: the calling thread's vote, the general path
+        save(2)  # cached, voted in the background
+        save(3, extra=ctx.rank == 2)  # rank 2 changed: dropped on every rank
+        save(4, extra=ctx.rank == 2)  # the general path on every rank (the answer said so)
+        save(5, extra=ctx.rank == 2)  # cached again
+        save(6, extra=ctx.rank == 2, fail=ctx.rank == 0)  # rank 0 fails: dropped on every rank
+        save(7, extra=ctx.rank == 2)  # groups renewed, the general path again
+        save(8, extra=ctx.rank == 2)
+        latest = m.find_latest()
+        state_dict, it = m.load_local()
+        restored = (it, state_dict["step"], state_dict["w"].data.tolist(), "b" in state_dict)
+        group_sum = torch.ones(1)
+        dist.all_reduce(group_sum)
+        return dict(calls=calls, latest=latest, restored=restored, group=float(group_sum.item()))
+
+
+def test_a_structure_change_or_a_failure_on_one_rank_drops_that_save_on_every_rank(tmp_root):
+    results = run_ranks(_rank_structure_change_and_failure, 3, tmp_root, ranks_per_node=1)
+    for rank, r in enumerate(results):
+        calls = r["calls"]
+        assert calls[0] == ("complete", False) and calls[1] == ("complete", True), (rank, calls)
+        # save 3: rank 2's structure changed: it returns None, the others' saves are dropped
+        assert calls[2] == (("none",) if rank == 2 else ("skipped",)), (rank, calls)
+        assert calls[3] == ("complete", False) and calls[4] == ("complete", True), (rank, calls)
+        # save 6: rank 0's state function raised there; the others' saves fail naming it
+        assert calls[5] == (
+            ("raised", "RuntimeError") if rank == 0 else ("failed", "CheckpointingException")
+        ), (
+            rank,
+            calls,
+        )
+        assert calls[6] == ("complete", False) and calls[7] == ("complete", True), (rank, calls)
+        assert r["latest"] == 8 and r["group"] == 3.0
+        it, step, w, has_b = r["restored"]
+        assert it == 8 and step == 8 and w == torch.full((4, 4), float(8 + rank)).tolist()
+        assert has_b == (rank == 2)
+
+
+def test_vote_in_background_needs_skip_if_busy(tmp_root):
+    with CheckpointManager("bgv", store_root=str(tmp_root), replication_factor=1) as m:
+        with pytest.raises(ValidationError, match="needs skip_if_busy=True"):
+            m.save_local({"x": 1}, 1, vote_in_background=True)
