@@ -394,6 +394,45 @@ def test_floats_round_trip_bit_exactly_including_nan_payloads(f):
     assert _float_bits(roundtrip([f])[0]) == _float_bits(f)
 
 
+_long_items = st.one_of(
+    st.integers(-(2**65), 2**65),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.none(),
+    st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.lists(_long_items, min_size=17, max_size=40),
+            st.lists(st.integers(-(2**63), 2**64 - 1), min_size=17, max_size=40),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.booleans(),
+)
+def test_long_sequences_packed_in_bulk_are_the_bytes_of_item_by_item(sequences, as_tuples):
+    """A long list or tuple of plain items (Python's RNG state: 625 ints) is packed by msgpack in
+    one call; its bytes are those of the item-by-item encoding, and it decodes to itself."""
+    from resilient_ckpt.model import codec_encode
+
+    x = [tuple(v) if as_tuples else v for v in sequences]
+    bulk = encode(x)
+    real = codec_encode._packs_in_bulk
+    codec_encode._packs_in_bulk = lambda _seq: False
+    try:
+        one_by_one = encode(x)
+    finally:
+        codec_encode._packs_in_bulk = real
+    assert bulk == one_by_one
+    assert_same(x, decode(bulk))
+
+
 def test_integers_beyond_msgpack_range_round_trip():
     for v in [2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**400, -(10**400)]:
         assert roundtrip(v) == v and type(roundtrip(v)) is int

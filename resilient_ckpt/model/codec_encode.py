@@ -61,6 +61,20 @@ _BULK = 16
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
+def _packs_in_bulk(x) -> bool:
+    """A long sequence that msgpack packs to the same bytes as :meth:`_Encoder.enc` item by
+    item: every item native, or an int in msgpack's range (tested at C speed)."""
+    if len(x) <= _BULK:
+        return False
+    types = set(map(type, x))
+    if types <= _NATIVE:
+        return True
+    return types == _INT_TYPE and _INT_MIN <= min(x) and max(x) <= _INT_MAX
+
+
+_INT_TYPE = {int}
+
+
 def _bigint_bytes(x: int) -> bytes:
     return x.to_bytes((x + (x < 0)).bit_length() // 8 + 1, "big", signed=True)
 
@@ -217,7 +231,7 @@ class _Encoder:
                 "cycle?); flatten it"
             )
         if t is list:
-            if len(x) > _BULK and set(map(type, x)) <= _NATIVE:
+            if _packs_in_bulk(x):
                 p.pack(x)  # the same bytes, packed in C (a saved tensor's device type each)
                 return
             p.pack_array_header(len(x))
@@ -227,6 +241,11 @@ class _Encoder:
             self.enc_map(x.items(), len(x), depth)
             return
         if t is tuple:
+            if _packs_in_bulk(x):
+                # The same bytes in one C call: Python's RNG state is a tuple of 625 ints, in
+                # every TrainState save (one Python call per int was a fifth of a cached save)
+                p.pack([_TAG[_X.TUPLE], *x])
+                return
             p.pack_array_header(len(x) + 1)
             p.pack(_TAG[_X.TUPLE])
             self.enc_items(x, depth)
