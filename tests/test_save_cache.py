@@ -71,9 +71,15 @@ def _ordered(d):
     return collections.OrderedDict(d)
 
 
+#: an optimizer's state: a small dict of ShardedTensors per parameter (taken as layers of layers)
+LAYERS = st.dictionaries(
+    KEYS, st.dictionaries(KEYS, sharded_tensors(), min_size=1, max_size=3), min_size=2, max_size=3
+)
+
 TREES = st.recursive(
     LEAVES,
     lambda kids: st.one_of(
+        LAYERS,
         st.lists(kids, max_size=4),
         st.dictionaries(KEYS, kids, max_size=4),
         st.dictionaries(KEYS, kids, max_size=3).map(_ordered),
