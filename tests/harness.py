@@ -13,9 +13,12 @@ exceeds ``timeout`` is killed and reported with whatever ranks did finish.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -90,6 +93,9 @@ def _entry(fn, ctx: RankContext, port: int, args, result_q, timeout_s: float) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # A rank the parent finds still running at its timeout is asked for every thread's stack
+    # (SIGUSR1): dumped from C, so even a rank stuck with the GIL held says where it is.
+    faulthandler.register(signal.SIGUSR1, file=open(_stacks_path(port, ctx.rank), "w"), all_threads=True)
     try:
         dist.init_process_group(
             "gloo",
@@ -146,6 +152,38 @@ def _mp_context():
     return _CTX
 
 
+def _stacks_path(port: int, rank: int) -> str:
+    # Outside tmp_root: tests list what their store roots hold.
+    return os.path.join(tempfile.gettempdir(), f"rc-stacks-{port}-rank{rank}")
+
+
+def _stacks_of(procs, ranks: List[int], port: int) -> str:
+    """Every thread's stack of each rank in ``ranks`` (still running at the timeout), as its
+    faulthandler wrote them on SIGUSR1: what a hang report needs first."""
+    import time
+
+    paths = {r: _stacks_path(port, r) for r in ranks}
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    # Diagnostics only (nothing is ordered by it): give the dumps up to 3 s to appear.
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and not all(
+        os.path.exists(p) and os.path.getsize(p) for p in paths.values()
+    ):
+        time.sleep(0.05)
+    time.sleep(0.2)  # a dump of many threads is written in pieces
+    out = []
+    for r, path in paths.items():
+        try:
+            with open(path) as f:
+                text = f.read()[-20000:]
+        except OSError:
+            text = "(no dump)"
+        out.append(f"\n--- rank {r}: every thread's stack at the timeout ---\n{text}")
+    return "".join(out)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -185,11 +223,33 @@ def run_ranks(
         )
         p.start()
         procs.append(p)
-    results: Dict[int, Any] = {}
-    errors: Dict[int, str] = {}
+    try:
+        results, errors = _collect(procs, q, world_size, timeout, expect_killed, port)
+    finally:
+        for r in range(world_size):
+            with contextlib.suppress(OSError):
+                os.remove(_stacks_path(port, r))
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    unexpected_kills = [r for r in expect_killed if results.get(r) is not KILLED]
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        raise RankFailed(f"{len(errors)} rank(s) failed:\n{msg}")
+    if unexpected_kills:
+        raise RankFailed(f"ranks {unexpected_kills} were expected to be killed but finished")
+    return [results[r] for r in range(world_size)]
+
+
+def _collect(procs, q, world_size: int, timeout: float, expect_killed, port: int):
+    """Every rank's result or error (a rank that died without one: its exit code), or
+    RankFailed with the stacks of the ranks still running at ``timeout``."""
     import queue as _queue
     import time
 
+    results: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
     deadline = time.monotonic() + timeout
     pending = set(range(world_size))
     while pending:
@@ -205,12 +265,13 @@ def run_ranks(
                         errors[r] = f"process exited with code {procs[r].exitcode} and no result"
                     pending.discard(r)
             if time.monotonic() > deadline:
+                stacks = _stacks_of(procs, sorted(pending), port)
                 for p in procs:
                     if p.is_alive():
                         p.kill()
                 raise RankFailed(
                     f"timeout after {timeout}s; ranks still running: {sorted(pending)}; "
-                    f"finished: {sorted(results)}; errors: {errors}"
+                    f"finished: {sorted(results)}; errors: {errors}{stacks}"
                 ) from None
             continue
         pending.discard(rank)
@@ -218,17 +279,7 @@ def run_ranks(
             results[rank] = payload
         else:
             errors[rank] = payload
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    unexpected_kills = [r for r in expect_killed if results.get(r) is not KILLED]
-    if errors:
-        msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-        raise RankFailed(f"{len(errors)} rank(s) failed:\n{msg}")
-    if unexpected_kills:
-        raise RankFailed(f"ranks {unexpected_kills} were expected to be killed but finished")
-    return [results[r] for r in range(world_size)]
+    return results, errors
 
 
 @dataclass

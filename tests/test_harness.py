@@ -1,5 +1,7 @@
 """The shared harness itself: real gloo ranks, results in order, SIGKILL observed."""
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,3 +41,22 @@ def _raise_on_rank0(ctx):
 def test_an_exception_in_a_rank_fails_with_its_traceback(tmp_root):
     with pytest.raises(RankFailed, match="boom from rank 0"):
         run_ranks(_raise_on_rank0, 2, tmp_root)
+
+
+def _rank_1_hangs_in_a_named_function(ctx):
+    if ctx.rank == 1:
+        _waits_forever()
+    return ctx.rank
+
+
+def _waits_forever():
+    threading.Event().wait()
+
+
+def test_a_hung_rank_is_reported_with_every_threads_stack(tmp_path):
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(_rank_1_hangs_in_a_named_function, 2, tmp_path, timeout=3)
+    report = str(failure.value)
+    assert "ranks still running: [1]" in report
+    assert "--- rank 1: every thread's stack at the timeout ---" in report
+    assert "_waits_forever" in report and "_rank_1_hangs_in_a_named_function" in report
