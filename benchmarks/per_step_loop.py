@@ -19,8 +19,9 @@ Systems:
 * ``none``: the same loop without checkpoints (the reference for every difference below);
 * ``ours``: the README's plain-PyTorch loop, ``TrainState(model, optimizer)`` and
   ``CheckpointHook(CheckpointManager(store_root=<node>, replication_factor=2, keep_last=1),
-  every_n_steps=1, when_busy="skip")``: a due save while the previous one is still in flight on
-  any rank is skipped on every rank and the next step saves instead;
+  every_n_steps=1, when_busy="skip_in_background")``: a due save while the previous one is still
+  in flight on any rank is skipped on every rank and the next step saves instead, the ranks
+  voting off the training thread (``--when-busy skip``: in one all-reduce on it);
 * ``nvrx``: Megatron-LM's local checkpoint at every step: Megatron-core
   ``MCoreTensorAwareStateDict.from_state_dict`` (cached distribution) of the model's and the
   optimizer's sharded state dict (built each step as Megatron builds it: ShardedTensors of the
@@ -231,7 +232,7 @@ class _None:
 
 
 class _Ours:
-    """The README loop's ``CheckpointHook(every_n_steps=1, when_busy="skip")``."""
+    """The README loop's ``CheckpointHook(every_n_steps=1, when_busy="skip_in_background")``."""
 
     name = "ours"
 
