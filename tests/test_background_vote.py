@@ -208,10 +208,11 @@ def _rank_structure_change_and_failure(ctx):
         save(1)  # first save: the calling thread's vote, the general path
         save(2)  # cached, voted in the background
         save(3, extra=ctx.rank == 2)  # rank 2 changed: dropped on every rank
-        save(4, extra=ctx.rank == 2)  # the general path on every rank (the answer said so)
+        save(3, extra=ctx.rank == 2)  # the general path on every rank (the answer said so);
+        # a dropped save holds nothing, so its iteration is saved again
         save(5, extra=ctx.rank == 2)  # cached again
         save(6, extra=ctx.rank == 2, fail=ctx.rank == 0)  # rank 0 fails: dropped on every rank
-        save(7, extra=ctx.rank == 2)  # groups renewed, the general path again
+        save(6, extra=ctx.rank == 2)  # groups renewed, the general path again, the same iteration
         save(8, extra=ctx.rank == 2)
         latest = m.find_latest()
         state_dict, it = m.load_local()

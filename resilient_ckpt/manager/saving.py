@@ -136,6 +136,16 @@ class _Probe:
 
 
 @dataclass
+class _BackgroundVote:
+    """A background-voting save's vote, settled at the next manager call: its iteration and
+    the last saved iteration before it (restored if the vote dropped it)."""
+
+    votes: collectives.PendingVotes
+    iteration: int
+    last_saved: int
+
+
+@dataclass
 class _Staged:
     """What ``_stage`` built so far (a failure releases whatever is set)."""
 
@@ -285,6 +295,7 @@ class SavePath(SaveCompletion):
         if self._renew_groups_after_vote(self._settled_least):
             self._settled_least = None
         busy = self._busy()
+        last_saved = self._last_saved  # back to it if the vote drops this save
         group, control = self._ckpt_group(), self._control_group()
         staged, probe = _Staged(), _Probe()
         local: Optional[BaseException] = None
@@ -319,7 +330,7 @@ class SavePath(SaveCompletion):
                 self._release(staged)
                 self._failed_together()  # the other ranks' answers fail with it
                 raise
-        self._pending_vote = vote
+        self._pending_vote = _BackgroundVote(vote, iteration, last_saved)
         if local is not None:
             # Nothing of it reaches a peer: the answer drops it on every rank (no stand-in job).
             self._structure = None
@@ -337,19 +348,21 @@ class SavePath(SaveCompletion):
         every rank takes it in at the same call): a changed structure or a failure sends the
         next save down the calling thread's vote; a failure counts as a failed call on every
         rank (the groups are renewed before this call's collectives); the lowest failure count
-        it carried is kept for the next save's renewal check."""
+        it carried is kept for the next save's renewal check. A save the vote dropped holds
+        nothing anywhere: its iteration may be saved again."""
         pending, self._pending_vote = self._pending_vote, None
         if pending is None:
             return
+        holds = ready = False
         try:
-            holds, _ready, self._settled_least = pending.result()
+            holds, ready, self._settled_least = pending.votes.result()
         except BaseException as e:
-            self._caches_agreed = False
             self._failed_together()
             logger.debug("background vote failed: %s", e)
-            return
         if not holds:
             self._caches_agreed = False
+        if not (holds and ready) and self._last_saved == pending.iteration:
+            self._last_saved = pending.last_saved
 
     def _prepare(
         self, state_dict: Any, iteration: int, busy: Optional[bool] = None
