@@ -248,3 +248,65 @@ def test_vote_in_background_needs_skip_if_busy(tmp_root):
     with CheckpointManager("bgv", store_root=str(tmp_root), replication_factor=1) as m:
         with pytest.raises(ValidationError, match="needs skip_if_busy=True"):
             m.save_local({"x": 1}, 1, vote_in_background=True)
+
+
+TIMEOUT_S = 2.0
+
+
+def _rank_freezes_while_saves_vote_in_background(ctx):
+    """Saves every step voting in the background; rank 2 freezes itself (SIGSTOP: its sockets
+    stay open) after step 3. The survivors' next step starts its vote and returns; the step
+    after learns the answer never came (the group's timeout) and every survivor fails the same
+    saves. Returns per step: the seconds hook.step took; the failed steps; or the frozen rank's
+    never-reached marker."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    state = _state(seed=ctx.rank)
+    m = CheckpointManager("bgf", store_root=ctx.store_root, replication_factor=2, timeout_s=TIMEOUT_S)
+    hook = CheckpointHook(m, every_n_steps=1, state=state, when_busy="skip_in_background")
+    pid_file = Path(ctx.tmp_root) / "frozen.pid"
+    seconds = {}
+    for step in range(6):
+        _train_step(state)
+        if ctx.rank == 2 and step == 4:
+            pid_file.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return "thawed"  # never reached: rank 0 SIGKILLs it
+        t = time.monotonic()
+        hook.step(step)
+        seconds[step] = time.monotonic() - t
+        if step < 4:
+            hook.finish()  # the saves before the freeze complete
+    t = time.monotonic()
+    hook.finish()
+    seconds["finish"] = time.monotonic() - t
+    failed = sorted(hook.failed_steps)
+    (Path(ctx.tmp_root) / f"done.{ctx.rank}").write_text("")
+    if ctx.rank == 0:
+        while not all((Path(ctx.tmp_root) / f"done.{r}").exists() for r in range(2)):
+            time.sleep(0.01)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    return seconds, failed
+
+
+def test_a_frozen_rank_fails_the_same_saves_on_every_survivor_within_the_timeout(tmp_root):
+    from harness import KILLED
+
+    out = run_ranks(
+        _rank_freezes_while_saves_vote_in_background,
+        3,
+        tmp_root,
+        ranks_per_node=1,
+        expect_killed=[2],
+        timeout=120,
+        collective_timeout=600,
+    )
+    assert out[2] is KILLED
+    (s0, failed0), (s1, failed1) = out[0], out[1]
+    assert failed0 == failed1 == [4, 5], (failed0, failed1)
+    for seconds in (s0, s1):
+        assert seconds[4] < TIMEOUT_S / 2, seconds  # the vote is started, not waited for
+        assert seconds[5] < 3 * TIMEOUT_S and seconds["finish"] < 3 * TIMEOUT_S, seconds

@@ -61,6 +61,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ..errors import CheckpointingException, CollectiveTimeoutError
 from ..parallel import collectives
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
@@ -241,8 +242,19 @@ class GroupRenewal:
         """Drain the save thread, replace every group, note the failures now counted."""
         self.wait_for_saves()
         old = self._own_groups()
-        self._make_groups()
-        self._make_replicator()
+        try:
+            self._make_groups()
+            self._make_replicator()
+        except CheckpointingException:
+            raise
+        except Exception as e:  # torch's own (a DistStoreError from the rendezvous): named here
+            cls = CollectiveTimeoutError if "timeout" in str(e).lower() else CheckpointingException
+            raise cls(
+                f"renewing the checkpoint process groups failed ({type(e).__name__}: "
+                f"{str(e)[:300]}): a rank did not join within timeout_s={self.timeout_s:g} s — it "
+                "died, is frozen or unreachable. Checkpoint calls fail until it is back (each "
+                "call tries again) or the job restarts with its membership settled"
+            ) from e
         for g in old:
             release_checkpoint_group(g)
         self._renewed_after_failures = self._failures.value  # drained: the same on every rank
