@@ -165,13 +165,7 @@ class SaveCompletion:
             holds, ready, error = False, False, e
         if holds and ready:
             return True
-        try:
-            job.staging.wait()
-        except Exception as e:
-            logger.debug("dropped save of iteration %d: copies: %s", job.iteration, e)
-        segment = job.segment or job.staging.segment()
-        if segment is not None:
-            self.store.release(segment)
+        self._release_once_copied(job.staging, job.segment)
         if error is not None:
             raise CheckpointingException(
                 f"local checkpoint of iteration {job.iteration} was dropped on every rank: {error}"
@@ -180,6 +174,18 @@ class SaveCompletion:
         with self._lock:
             self.saves_skipped += 1
         return False
+
+    def _release_once_copied(self, staging: Optional[StagingHandle], segment: Optional[Segment]) -> None:
+        """A save that will not be stored: its segment back to the pool once its copies
+        stopped using it (a failed copy changes nothing here)."""
+        if staging is not None:
+            try:
+                staging.wait()
+            except Exception as e:
+                logger.debug("copies of a save given up: %s", e)
+            segment = segment or staging.segment()
+        if segment is not None:
+            self.store.release(segment)
 
     def _store_and_replicate(self, job: _SaveJob, group) -> "_Outcome":
         """Wait for the copies, checksum, publish, replicate — timed stage by stage. A failure

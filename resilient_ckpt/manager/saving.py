@@ -629,16 +629,8 @@ class SavePath(SaveCompletion):
         )
 
     def _release(self, staged: "_Staged") -> None:
-        """A save that failed while staging: its segment back to the pool, once its copies
-        stopped using it."""
-        if staged.staging is not None:
-            try:
-                staged.staging.wait()
-            except Exception:
-                pass
-        segment = staged.segment or (staged.staging.segment() if staged.staging is not None else None)
-        if segment is not None:
-            self.store.release(segment)
+        """A save that failed while staging: what it took goes back (save_completion)."""
+        self._release_once_copied(staged.staging, staged.segment)
 
     def _retire_earlier_run(self, iteration: int, control) -> None:
         """First save of a job that did not restore: it starts fresh on purpose, so this
