@@ -165,6 +165,7 @@ class SaveCompletion:
             holds, ready, error = False, False, e
         if holds and ready:
             return True
+        self._fault("before_drop")
         self._release_once_copied(job.staging, job.segment)
         if error is not None:
             raise CheckpointingException(

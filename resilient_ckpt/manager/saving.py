@@ -12,6 +12,7 @@ decisions (the cached distribution) in step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,8 +56,8 @@ MAX_ITERATION = (1 << 63) - 1
 
 #: Points where tests (and chaos drills) can inject a fault: ``fault_hook(point)``. With
 #: ``redundancy="parity"`` the hook is also called at ``"parity_after_headers"`` (between the
-#: parity group's header and block exchanges), and a resharded restore at
-#: ``"reshard_before_exchange"``.
+#: parity group's header and block exchanges), a resharded restore at
+#: ``"reshard_before_exchange"``, and a save the background vote dropped at ``"before_drop"``.
 FAULT_POINTS = (
     "after_staging",
     "after_publish",
@@ -143,6 +144,8 @@ class _BackgroundVote:
     votes: collectives.PendingVotes
     iteration: int
     last_saved: int
+    #: this rank's save, if it started one (dropped: waited for at the settling)
+    handle: Optional[SaveHandle] = None
 
 
 @dataclass
@@ -341,7 +344,9 @@ class SavePath(SaveCompletion):
             with self._lock:
                 self.saves_skipped += 1
             return None
-        return self._queue_save(iteration, staged, group, t0, locked0, vote=vote)
+        handle = self._queue_save(iteration, staged, group, t0, locked0, vote=vote)
+        self._pending_vote.handle = handle
+        return handle
 
     def _settle_vote(self) -> None:
         """Take in the answer of the last background vote (every manager call starts here, so
@@ -361,8 +366,17 @@ class SavePath(SaveCompletion):
             logger.debug("background vote failed: %s", e)
         if not holds:
             self._caches_agreed = False
-        if not (holds and ready) and self._last_saved == pending.iteration:
+        if holds and ready:
+            return
+        if self._last_saved == pending.iteration:
             self._last_saved = pending.last_saved
+        if pending.handle is not None:
+            # Its job only gives the segment back now (its copies were fenced before this step):
+            # waited for, or this rank would still count as busy and vote so — each rank's
+            # dropped save would drop the next one everywhere, for good, once steps are shorter
+            # than a vote's round trip (seen under the suite's load).
+            with contextlib.suppress(Exception):
+                pending.handle.wait()
 
     def _prepare(
         self, state_dict: Any, iteration: int, busy: Optional[bool] = None
