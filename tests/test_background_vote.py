@@ -18,25 +18,11 @@ import pytest
 import torch
 
 from harness import run_ranks
-from resilient_ckpt import CheckpointHook, CheckpointManager, ShardedTensor, TrainState
+from resilient_ckpt import CheckpointHook, CheckpointManager, ShardedTensor
 from resilient_ckpt.errors import ValidationError
+from test_skip_when_busy import _state, _train_step  # the same small model and step
 
 pytestmark = [pytest.mark.multiprocess]
-
-
-def _state(seed: int = 0) -> TrainState:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return TrainState(model, opt, extra={"data_position": 0})
-
-
-def _train_step(state: TrainState) -> None:
-    g = torch.Generator().manual_seed(state.extra["data_position"])
-    state.optimizer.zero_grad()
-    state.model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
-    state.optimizer.step()
-    state.extra["data_position"] += 1
 
 
 class _Hold:
