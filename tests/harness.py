@@ -140,13 +140,20 @@ def _mp_context():
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         # Everything a rank imports, once: each rank then starts in a fraction of a second.
+        # A process has one forkserver, started with the preload list in force at its first use:
+        # the demo's modules are listed too (resilient_ckpt/demo/orchestrator.py), or a demo test
+        # run after a harness test in the same pytest worker paid ~1.2 s of CPU per rank for
+        # them after every fork (demo tests 3x slower; the suite's time depended on its order).
         _CTX.set_forkserver_preload(
             [
+                "resilient_ckpt",
                 "torch",
                 "torch.distributed",
-                "resilient_ckpt",
+                "torch._inductor.config",
                 "resilient_ckpt.model.codec",
                 "resilient_ckpt.manager.checkpoint_manager",
+                "resilient_ckpt.manager.hooks",
+                "resilient_ckpt.demo.worker",
             ]
         )
     return _CTX
