@@ -295,8 +295,8 @@ class SavePath(SaveCompletion):
         t0 = time.perf_counter()
         locked0 = pinning.locked_by_this_thread()
         self._settle_vote()  # (done already by the call's guard: manager.groups)
-        if self._renew_groups_after_vote(self._settled_least):
-            self._settled_least = None
+        least, self._settled_least = self._settled_least, None  # the settled vote's check, once
+        self._renew_groups_after_vote(least)
         busy = self._busy()
         last_saved = self._last_saved  # back to it if the vote drops this save
         group, control = self._ckpt_group(), self._control_group()
@@ -304,16 +304,13 @@ class SavePath(SaveCompletion):
         local: Optional[BaseException] = None
         with paused_gc():  # objects per shard, none of them garbage (see save_local)
             try:
-                self._check_iteration(iteration)
+                state_dict, probe = self._built_and_probed(state_dict, iteration, busy)
                 if not busy:
-                    if callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
-                        state_dict = state_dict()
                     if _is_tasd(state_dict):
                         raise ValidationError(
                             "save_local was given a tensor-aware state dict after sharded state "
                             "dicts; pass one kind of state to a CheckpointManager"
                         )
-                    probe = self._probe(state_dict)
                     if probe.covered and probe.parts is not None:
                         self._stage_cached(probe, iteration, staged)
                     elif probe.covered:
@@ -400,16 +397,7 @@ class SavePath(SaveCompletion):
         probe = _Probe()
         local: Optional[BaseException] = None
         try:
-            if busy:
-                pass  # skipped on every rank whatever the others vote: nothing to build
-            elif callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
-                # Built here so a rank whose state function raises still queues its (failed)
-                # job and votes: peers are told at once and job numbering stays in step.
-                state_dict = state_dict()
-            self._check_iteration(iteration)
-            if not busy and not _is_tasd(state_dict):
-                with paused_gc():  # one object per shard, none of them garbage (see below)
-                    probe = self._probe(state_dict)
+            state_dict, probe = self._built_and_probed(state_dict, iteration, busy)
         except BaseException as e:
             local = e
         cached, ready, failed = False, True, None
@@ -434,6 +422,22 @@ class SavePath(SaveCompletion):
             raise
         self._started = True
         return state_dict, probe, cached, failed
+
+    def _built_and_probed(
+        self, state_dict: Any, iteration: int, busy: Optional[bool]
+    ) -> Tuple[Any, "_Probe"]:
+        """This rank's part before a save's vote: the state built (not on a busy rank, which
+        skips whatever the others vote), the iteration checked, a sharded state dict taken
+        apart and compared with the structure cache. Raises what fails: the caller votes it,
+        so a rank whose state function raises still takes part and its peers are told at once
+        (job numbering stays in step)."""
+        if not busy and callable(state_dict) and not isinstance(state_dict, MCoreTensorAwareStateDict):
+            state_dict = state_dict()
+        self._check_iteration(iteration)
+        if busy or _is_tasd(state_dict):
+            return state_dict, _Probe()
+        with paused_gc():  # one object per shard, none of them garbage (see save_local)
+            return state_dict, self._probe(state_dict)
 
     def _probe(self, state_dict: Any) -> "_Probe":
         """Take the state apart and compare its structure with this rank's cache (local)."""

@@ -298,16 +298,22 @@ def votes_or_fail(
         if local is not None:
             raise local
         return [bool(v) for v in votes] + [int(x) for x in least]
-    ok = local is None
-    n = len(votes)
-    flags = all_reduce_ints(
-        [int(ok)] + [int(ok and bool(v)) for v in votes] + [int(x) for x in least], "min", group
-    )
+    flags = all_reduce_ints(_vote_slots(local is None, votes, least), "min", group)
     if flags[0]:
-        return [bool(f) for f in flags[1 : 1 + n]] + flags[1 + n :]
+        return _votes_from(flags, len(votes))
     errors = all_gather_msgpack("" if local is None else describe(local), group)
     _raise_together(errors, what, local, group)
     raise AssertionError("unreachable: a rank voted failure without an error")  # pragma: no cover
+
+
+def _vote_slots(ok: bool, votes: Sequence[bool], least: Sequence[int]) -> List[int]:
+    """A rank's side of a vote's MIN all-reduce: whether it is fine, each vote, ``least``."""
+    return [int(ok)] + [int(ok and bool(v)) for v in votes] + [int(x) for x in least]
+
+
+def _votes_from(flags: Sequence[int], n: int) -> List[Any]:
+    """The reduced slots of a vote in which no rank failed: ``n`` votes, then ``least``."""
+    return [bool(f) for f in flags[1 : 1 + n]] + list(flags[1 + n :])
 
 
 class PendingVotes:
@@ -323,15 +329,6 @@ class PendingVotes:
         self._lock = threading.Lock()
         self._answer: Optional[List[Any]] = None
         self._error: Optional[BaseException] = None
-
-    def done(self) -> bool:
-        """The answer is known (:meth:`result` does not wait)."""
-        return (
-            self._answer is not None
-            or self._error is not None
-            or self._work is None
-            or self._work.is_completed()
-        )
 
     def result(self) -> List[Any]:
         """The votes (True iff every rank voted True) and the ``least`` values, as
@@ -356,10 +353,9 @@ class PendingVotes:
                 raise _wrap(e, "all_reduce(min)", self._group, time.monotonic() - self._t0) from e
         else:
             flags = [int(v) for v in self._flags.tolist()]
-        n = self._n
         failed_rank, flags = flags[0], flags[1:]
         if flags[0]:
-            return [bool(f) for f in flags[1 : 1 + n]] + flags[1 + n :]
+            return _votes_from(flags, self._n)
         if self._local is not None:
             raise self._local
         r = global_rank(self._group, failed_rank)
@@ -380,10 +376,9 @@ def start_votes(
     """:func:`votes_or_fail` without waiting for the other ranks: the caller learns the answer
     later from :meth:`PendingVotes.result`. The group must see no other collective of this
     thread until then (a thread's collectives on one group pair up in order on every rank)."""
-    ok = local is None
     size = group_size(group)
-    values = [group_rank(group) if not ok else size, int(ok)]
-    values += [int(ok and bool(v)) for v in votes] + [int(x) for x in least]
+    # Slot 0: the lowest failing rank (the group's size where none failed).
+    values = [size if local is None else group_rank(group)] + _vote_slots(local is None, votes, least)
     t0 = time.monotonic()
     if size == 1:
         return PendingVotes(None, torch.tensor(values, dtype=torch.int64), len(votes), what, group, local, t0)
