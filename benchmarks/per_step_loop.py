@@ -218,6 +218,9 @@ class _None:
 
     name = "none"
 
+    def warm(self) -> bool:
+        return True
+
     def after_step(self, step: int) -> Dict[str, Any]:
         return {}
 
@@ -236,12 +239,13 @@ class _Ours:
 
     name = "ours"
 
-    def __init__(self, wl: _Workload, store_root: str, session: str, when_busy: str):
+    def __init__(self, wl: _Workload, store_root: str, session: str, when_busy: str, nice: Optional[int]):
         from resilient_ckpt import CheckpointHook, CheckpointManager, TrainState
 
         self.wl, self.store_root, self.session = wl, store_root, session
+        priority = {} if nice is None else {"background_nice": nice}
         self.manager = CheckpointManager(
-            session_id=session, store_root=store_root, replication_factor=2, keep_last=1
+            session_id=session, store_root=store_root, replication_factor=2, keep_last=1, **priority
         )
         self.state = TrainState(wl.model, wl.optimizer)
         self.state_dict_s: List[float] = []
@@ -271,6 +275,12 @@ class _Ours:
             "saved": handle is not None,
             "state_dict_s": sum(self.state_dict_s[n:]),
         }
+
+    def warm(self) -> bool:
+        """In its steady state: three saves started and the third complete (the store holds
+        its own and its peer's newest plus the spares)."""
+        started = self.hook.saved_steps
+        return len(started) >= 3 and self.hook.metrics.last_complete_step >= started[2]
 
     def finish(self) -> None:
         self.hook.finish()
@@ -381,6 +391,9 @@ class _Nvrx:
         self.last_complete = -1
         self.at_risk: List[int] = []
 
+    def warm(self) -> bool:
+        return True  # a save every step from the first: steady after the warm-up steps
+
     def after_step(self, step: int) -> Dict[str, Any]:
         t0 = time.perf_counter()
         if self.pending is not None:
@@ -419,6 +432,20 @@ class _Nvrx:
 
     def close(self) -> None:
         self.system.teardown()
+
+
+#: warm-up steps at most, however long a system takes to reach its steady state
+MAX_WARMUP = 40
+
+
+def _all_warm(warm: bool) -> bool:
+    """Whether every rank's system is warm (a MIN all-reduce: the ranks' loops stay in step)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(warm)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _private_rss() -> int:
@@ -522,7 +549,7 @@ def _run_rank(ctx, cfg: Dict[str, Any]) -> Dict[str, Any]:
     wl.optimizer.register_step_pre_hook(lambda *_a, **_k: marks.__setitem__("pre", time.perf_counter()))
     system: Any
     if cfg["system"] == "ours":
-        system = _Ours(wl, store_root, session, cfg["when_busy"])
+        system = _Ours(wl, store_root, session, cfg["when_busy"], cfg["background_nice"])
     elif cfg["system"] == "nvrx":
         system = _Nvrx(wl, rank, WORLD, tmp_root, session)
     else:
@@ -537,7 +564,11 @@ def _run_rank(ctx, cfg: Dict[str, Any]) -> Dict[str, Any]:
     store = _StorePeak(store_root)
     start: Dict[str, float] = {}
     try:
-        for step in range(total):
+        step = -1
+        while step + 1 < total:
+            step += 1
+            if step == first and step < MAX_WARMUP and not _all_warm(system.warm()):
+                first, total = first + 1, total + 1  # every rank alike: the vote above
             if step == first:
                 sync()
                 start = {"cpu": _cpu_s(), "rss": _private_rss(), "store": _tree_bytes(store_root)}
@@ -757,6 +788,7 @@ def _config(args, wl: str) -> Dict[str, Any]:
         verify=not args.no_verify,
         timeout_s=args.timeout,
         when_busy=args.when_busy,
+        background_nice=args.background_nice,
     )
     return cfg
 
@@ -793,6 +825,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         choices=("skip", "skip_in_background"),
         default="skip_in_background",
         help="ours: the hook's when_busy (skip: the ranks vote on the training thread)",
+    )
+    p.add_argument(
+        "--background-nice",
+        type=int,
+        help="ours: CheckpointManager(background_nice=...) (default: the manager's, 10)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per (workload, system) run")
     p.add_argument("--json", help="write every figure here")

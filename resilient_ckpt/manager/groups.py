@@ -66,6 +66,7 @@ from ..parallel import collectives
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
 from ..replication.transport import P2PTransport, new_checkpoint_group, release_checkpoint_group
+from ..thread_pools import level_below, lower_new_threads, lower_to, native_threads
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,16 @@ REPLICATION_CHUNK_BYTES = 16 << 20
 
 
 class SaveWorker(ThreadPoolExecutor):
-    """The save thread (``resilient_ckpt-save``): saves, their agreement, healing."""
+    """The save thread (``resilient_ckpt-save``): saves, their agreement, healing; ``nice``
+    levels below the thread that makes it (see thread_pools)."""
 
-    def __init__(self) -> None:
-        super().__init__(max_workers=1, thread_name_prefix="resilient_ckpt-save")
+    def __init__(self, nice: int = 0) -> None:
+        super().__init__(
+            max_workers=1,
+            thread_name_prefix="resilient_ckpt-save",
+            initializer=lower_to,
+            initargs=(level_below(nice),),
+        )
 
 
 class FailureCount:
@@ -106,7 +113,11 @@ class GroupRenewal:
 
     def _make_groups(self) -> None:
         """Every group the manager uses (collective: every rank, the same order)."""
+        before = native_threads()
         self._group = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
+        # Its gloo threads move replicas in the background: below training, like the save
+        # thread (the control group's stay: the calling thread waits for its votes).
+        lower_new_threads(before, self.background_nice)
         # Collectives of the calling thread (votes, holdings, distribution, restore) run on a
         # group of their own: the save thread may be in the middle of the previous save's
         # exchange on the data group, and two threads must never interleave on one group.

@@ -76,6 +76,8 @@ class ManagerOptions:
     #: stage GPU tensors through a copy within the GPU first: "auto" (when no page-locked
     #: segment is ready and the GPU has room), "always", "never"
     device_snapshot: str = "auto"
+    #: nice levels below the training thread for a save's background threads (0: the same)
+    background_nice: int = 19
     memory_budget: Optional[int] = None
     timeout_s: float = 120.0
     exchange_algo: str = "p2p"
@@ -154,6 +156,12 @@ DEVICE_SNAPSHOT = ("auto", "always", "never")
 def _check(opts: ManagerOptions) -> None:
     if opts.keep_last < 1:
         raise ValidationError(f"keep_last must be >= 1, got {opts.keep_last}")
+    nice = opts.background_nice
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise ValidationError(
+            f"background_nice must be an int from 0 (the training thread's priority) to 19 "
+            f"(the lowest), got {nice!r}"
+        )
     if opts.device_snapshot not in DEVICE_SNAPSHOT:
         raise ValidationError(
             f"device_snapshot must be one of {DEVICE_SNAPSHOT}, got {opts.device_snapshot!r}"

@@ -330,6 +330,10 @@ class SaveCompletion:
             logger.debug("store bytes not measured: %s", e)
         if self.spare_segment:
             self._prefetcher.prefetch(job.header.data_nbytes, plan)
+            # The save's job ends with the next one's segment ready: a save due meanwhile is
+            # skipped (or queued) as behind any save in flight, instead of waiting for that
+            # segment on the calling thread (the prefetcher runs below training's priority).
+            self._prefetcher.wait_prepared()
         job.metrics.pinned_held_bytes = pinning.held_bytes()
         self.last_save_metrics = job.metrics
         logger.debug("saved iteration %d: %s", job.iteration, job.metrics.as_dict())

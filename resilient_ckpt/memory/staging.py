@@ -34,6 +34,7 @@ import torch
 
 from ..bits import bits, foreach_copy_bits, foreach_copy_run_bits, run_bits
 from ..gc_pause import paused_gc
+from ..thread_pools import background_executor
 from .layout import DenseRun, TensorLayout, dense_runs
 from .segment import Segment
 from .store import CheckpointStore
@@ -531,14 +532,15 @@ class SegmentPrefetcher:
     maps and locks nothing at all; one spare is kept at a time.
     """
 
-    def __init__(self, store: CheckpointStore, pin: bool = False):
+    def __init__(self, store: CheckpointStore, pin: bool = False, nice: int = 0):
         self.store = store
         self.pin = pin
         self._lock = threading.Lock()
         self._ready: Optional[Segment] = None
         self._pending: Optional[Future] = None  # a reservation (and its locking) being made
         self._views_pending: Optional[Future] = None  # views of the ready segment being made
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-prefetch")
+        #: (``nice``: its thread's priority below its creator's, see thread_pools)
+        self._pool = background_executor("resilient_ckpt-prefetch", nice)
 
     def prefetch(self, nbytes: int, plan: Optional["RunPlan"] = None) -> None:
         """Start reserving a segment of ``nbytes`` in the background (no-op if one is ready).
@@ -596,16 +598,24 @@ class SegmentPrefetcher:
         except Exception as e:  # only an optimisation: staging makes them itself
             logger.debug("views for the next save not prepared: %s", e)
 
+    def wait_prepared(self) -> Optional[BaseException]:
+        """Until the segment being reserved, and its pages or views being made, are ready;
+        the failure of either, if one failed (:meth:`take` then reserves one itself)."""
+        error = None
+        for pending in (self._pending, self._views_pending):
+            if pending is not None:
+                try:
+                    pending.result()
+                except Exception as e:
+                    error = e
+        return error
+
     def take(self, nbytes: int, populate: bool = True) -> Segment:
         """A reserved segment of exactly ``nbytes`` (reserved now if none is ready, its pages
         populated up front only if ``populate``)."""
-        for pending in (self._pending, self._views_pending):
-            if pending is None:
-                continue
-            try:
-                pending.result()
-            except Exception as e:  # fall back to a synchronous reservation with its own error
-                logger.warning("background segment reservation failed: %s", e)
+        error = self.wait_prepared()
+        if error is not None:  # fall back to a synchronous reservation with its own error
+            logger.warning("background segment reservation failed: %s", error)
         with self._lock:
             seg, self._ready = self._ready, None
         if seg is not None and seg.nbytes == nbytes:
