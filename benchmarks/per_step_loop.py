@@ -18,10 +18,11 @@ Systems:
 
 * ``none``: the same loop without checkpoints (the reference for every difference below);
 * ``ours``: the README's plain-PyTorch loop, ``TrainState(model, optimizer)`` and
-  ``CheckpointHook(CheckpointManager(store_root=<node>, replication_factor=2, keep_last=1),
-  every_n_steps=1, when_busy="skip_in_background")``: a due save while the previous one is still
-  in flight on any rank is skipped on every rank and the next step saves instead, the ranks
-  voting off the training thread (``--when-busy skip``: in one all-reduce on it);
+  ``CheckpointHook(CheckpointManager(store_root=<node>, replication_factor=2, keep_last=1,
+  background_nice=19), every_n_steps=1, when_busy="skip_in_background")``: a due save while the
+  previous one is still in flight on any rank is skipped on every rank and the next step saves
+  instead, the ranks voting off the training thread (``--when-busy skip``: in one all-reduce on
+  it), the save's background threads below the training thread (``--background-nice``);
 * ``nvrx``: Megatron-LM's local checkpoint at every step: Megatron-core
   ``MCoreTensorAwareStateDict.from_state_dict`` (cached distribution) of the model's and the
   optimizer's sharded state dict (built each step as Megatron builds it: ShardedTensors of the
@@ -239,13 +240,16 @@ class _Ours:
 
     name = "ours"
 
-    def __init__(self, wl: _Workload, store_root: str, session: str, when_busy: str, nice: Optional[int]):
+    def __init__(self, wl: _Workload, store_root: str, session: str, when_busy: str, nice: int):
         from resilient_ckpt import CheckpointHook, CheckpointManager, TrainState
 
         self.wl, self.store_root, self.session = wl, store_root, session
-        priority = {} if nice is None else {"background_nice": nice}
         self.manager = CheckpointManager(
-            session_id=session, store_root=store_root, replication_factor=2, keep_last=1, **priority
+            session_id=session,
+            store_root=store_root,
+            replication_factor=2,
+            keep_last=1,
+            background_nice=nice,
         )
         self.state = TrainState(wl.model, wl.optimizer)
         self.state_dict_s: List[float] = []
@@ -829,7 +833,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--background-nice",
         type=int,
-        help="ours: CheckpointManager(background_nice=...) (default: the manager's, 10)",
+        default=19,
+        help="ours: CheckpointManager(background_nice=...) (default 19, as the README's per-step "
+        "loop; 0: the background threads at the training thread's priority)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per (workload, system) run")
     p.add_argument("--json", help="write every figure here")

@@ -121,12 +121,15 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
             into pageable memory instead (synchronous).
         background_nice: how many nice levels below the training thread a save's background
             threads run (replication, checksums, agreement, the next segment's pages, the
-            checkpoint data group's gloo threads; Linux; default 19, the lowest; 0 to 19). On
-            cores the training keeps busy they then take what it leaves idle instead of
-            descheduling it (2 vCPUs, 2 ranks, a save due every step: the step +51 % at 0,
-            +12 % at 19); saves come less often there (``when_busy`` decides what a due save
-            does meanwhile). The copies out of the training state keep the caller's priority:
-            the next optimizer step waits for them.
+            checkpoint data group's gloo threads; Linux; 0 to 19, default 0: the same). Made
+            for a checkpoint every step with ``CheckpointHook(when_busy="skip_in_background")``
+            on cores the training keeps busy: at 19 the background takes what the training
+            leaves idle instead of descheduling it mid-step and mid-save (2 vCPUs, 2 ranks: the
+            step +51 % at 0, +12 % at 19), and saves come as often as those idle cycles allow
+            (a due save meanwhile is skipped). Not with ``when_busy="queue"``: a third save
+            waits on the training thread for the oldest, which would then crawl. The copies out
+            of the training state always keep the caller's priority: the next optimizer step
+            waits for them.
         parallelization_group: group over which replicated shards are deduplicated on save
             and exchanged on load (default: the world).
         placement: ``"ring"`` (any world size) or ``"clique"`` (nvidia-resiliency-ext parity).
@@ -177,7 +180,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         *,
         spare_segment: bool = True,
         device_snapshot: str = "auto",
-        background_nice: int = 19,
+        background_nice: int = 0,
         replication: Optional[ReplicationOptions] = None,
         persistent: Optional[PersistentOptions] = None,
         service: Optional[ServiceOptions] = None,

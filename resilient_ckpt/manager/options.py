@@ -77,7 +77,7 @@ class ManagerOptions:
     #: segment is ready and the GPU has room), "always", "never"
     device_snapshot: str = "auto"
     #: nice levels below the training thread for a save's background threads (0: the same)
-    background_nice: int = 19
+    background_nice: int = 0
     memory_budget: Optional[int] = None
     timeout_s: float = 120.0
     exchange_algo: str = "p2p"
