@@ -68,14 +68,14 @@ def _wait_at(gate: threading.Barrier) -> None:
 
 # ---- background priority ---------------------------------------------------------------------
 #
-# A save's background work (replication, checksums, agreement, the next segment's pages) needs
-# CPU while the training thread runs; on busy cores the scheduler shares them evenly, so the
+# A save's background work (moving replicas, checksums, the next segment's pages) needs CPU
+# while the training thread runs; on busy cores the scheduler shares them evenly, so the
 # training thread is descheduled in the middle of its step and of the save call itself (on 2
-# vCPUs: +51 % per step at a save every step). A thread ``nice`` steps lower gets the cores
-# only when training leaves them idle (Linux: ``setpriority`` of a thread id acts on that thread
-# alone). Saves then come as often as the spare cycles allow: a save due while the previous one
-# is still in flight is skipped or queued as the caller asked. The copies out of the training
-# state are not lowered: the next optimizer step waits for them.
+# vCPUs: +51 % per step at a save every step). A thread ``nice`` levels lower gets the cores
+# only where training leaves them idle (Linux: ``setpriority`` of a thread id acts on that
+# thread alone). Not lowered: threads the training thread waits for — the copies out of the
+# training state (the next optimizer step waits for them) and the save thread that
+# orchestrates (a lowered waitee would invert the priorities).
 
 
 def level_below(steps: int) -> int:

@@ -2,12 +2,12 @@
 
 On cores the training keeps busy, a save's replication, checksums and agreement took an even
 share of them and descheduled the training thread, in the middle of its step and of the save
-call itself. Specified here, on real gloo ranks: the save thread, the checksum thread, the
-segment prefetcher and the checkpoint data group's own gloo threads run ``background_nice``
-levels below the training thread; the staging thread (the next optimizer step waits for its
-copies), the control group's gloo threads (the calling thread waits for their votes), the
-training thread and the job's own groups keep theirs; 0 lowers nothing; a bad value is refused
-with its name and range. And a save's job ends with the next save's segment ready, so a save
+call itself. Specified here, on real gloo ranks: the checksum thread, the segment prefetcher
+and the checkpoint data group's own gloo threads run ``background_nice`` levels below the
+training thread; the staging thread (the next optimizer step waits for its copies), the save
+thread (the training thread waits for it at times), the control group's gloo threads (the
+calling thread waits for their votes), the training thread and the job's own groups keep
+theirs; 0 lowers nothing; a bad value is refused with its name and range. And a save's job ends with the next save's segment ready, so a save
 due right after never waits for that segment on the calling thread.
 """
 
@@ -26,8 +26,10 @@ from resilient_ckpt import CheckpointManager, ShardedTensor
 from resilient_ckpt.errors import ValidationError
 from resilient_ckpt.thread_pools import GLOO_THREADS, native_threads
 
-LOWERED = ("resilient_ckpt-save", "resilient_ckpt-checksum", "resilient_ckpt-prefetch")
-KEPT = ("resilient_ckpt-stage",)
+LOWERED = ("resilient_ckpt-checksum", "resilient_ckpt-prefetch")
+#: the staging thread (the next optimizer step waits for its copies), the save thread (the
+#: training thread waits for it at times: a lowered one would invert their priorities)
+KEPT = ("resilient_ckpt-stage", "resilient_ckpt-save")
 
 
 def _nice(tid: int) -> int:

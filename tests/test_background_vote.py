@@ -306,3 +306,116 @@ def test_a_frozen_rank_fails_the_same_saves_on_every_survivor_within_the_timeout
     for seconds in (s0, s1):
         assert seconds[4] < TIMEOUT_S / 2, seconds  # the vote is started, not waited for
         assert seconds[5] < 3 * TIMEOUT_S and seconds["finish"] < 3 * TIMEOUT_S, seconds
+
+
+def _plain_state(rank: int, it: int, extra: bool = False):
+    sd = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.full((64, 64), float(it + rank)), (0, rank, 3)),
+        "step": it,
+    }
+    if extra:
+        sd["b"] = ShardedTensor.from_rank_offsets("b", torch.arange(3.0) + it)
+    return sd
+
+
+def _rank_copies_start_after_the_vote(ctx):
+    """Background-voted saves: the order of the calling thread's vote and copies; a dropped
+    save's segment; copies that cannot start on rank 1 once the vote went out."""
+    import torch.distributed as dist
+
+    from resilient_ckpt.parallel import collectives
+
+    out = {}
+    with CheckpointManager("bgc", store_root=ctx.store_root, replication_factor=2, keep_last=1) as m:
+
+        def save(it: int, **kw):
+            h = m.save_local(
+                lambda: _plain_state(ctx.rank, it, **kw), it, skip_if_busy=True, vote_in_background=True
+            )
+            return h
+
+        save(1).wait()  # the general path, its vote on the calling thread
+        save(2).wait()  # cached: from now on the vote runs in the background
+
+        # 1. The copies start after the vote went out, on the calling thread's side.
+        order, me = [], threading.get_ident()
+        stage, start_votes = m._stager.stage, collectives.start_votes
+
+        def staged(*a, **k):
+            order.append("copies") if threading.get_ident() == me else None
+            return stage(*a, **k)
+
+        def voted(*a, **k):
+            order.append("vote")
+            return start_votes(*a, **k)
+
+        m._stager.stage = staged
+        collectives.start_votes = voted
+        try:
+            save(3).wait()
+        finally:
+            collectives.start_votes = start_votes
+            m._stager.stage = stage
+        out["order"] = order
+
+        # 2. A save dropped by the vote (rank 2's structure changed) keeps its segment, still
+        # mapped, as the next save's spare: that save reserves nothing on the calling thread.
+        h = save(4, extra=ctx.rank == 2)
+        if h is not None:
+            h.wait()
+        out["dropped"] = h is None or h.skipped()
+        reserved, reserve = [], m.store.reserve
+
+        def counted(*a, **k):
+            reserved.append(threading.get_ident() == me)
+            return reserve(*a, **k)
+
+        m.store.reserve = counted
+        save(4, extra=ctx.rank == 2).wait()  # the general path on every rank
+        out["reserved_on_caller"] = sum(reserved)
+        m.store.reserve = reserve
+        save(5, extra=ctx.rank == 2).wait()  # cached again
+
+        # 3. Rank 1's copies cannot start once its vote went out: the save fails on every rank
+        # in its agreement; the previous one stays the newest; the next one completes.
+        def refused(*a, **k):
+            raise RuntimeError("the staging thread is gone (on purpose)")
+
+        m._stager.stage = refused if ctx.rank == 1 else stage
+        h = save(6, extra=ctx.rank == 2)
+        try:
+            h.wait()
+            out["refused"] = "complete"
+        except Exception as e:
+            out["refused"] = type(e).__name__
+        m._stager.stage = stage
+        out["latest_after_refusal"] = m.find_latest()
+        h = save(7, extra=ctx.rank == 2)
+        if h is None:  # the failure sent this save down the calling thread's vote: None is not it
+            h = save(8, extra=ctx.rank == 2)
+        h.wait()
+        out["latest"] = m.find_latest()
+        state_dict, it = m.load_local()
+        out["restored"] = (it, state_dict["step"], state_dict["w"].data.tolist())
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["group"] = float(t.item())
+    return out
+
+
+def test_copies_start_after_the_vote_and_a_dropped_save_leaves_its_segment_as_the_spare(tmp_root):
+    """The staging thread's first work takes the GIL at the calling thread's next release of
+    it: the background vote goes out first. A dropped save's segment is not handed to the pool
+    (the next save would map and populate it again on the calling thread) but kept as the
+    spare. And copies that fail to start after the vote fail that save on every rank."""
+    results = run_ranks(_rank_copies_start_after_the_vote, 3, tmp_root, ranks_per_node=1)
+    for rank, r in enumerate(results):
+        assert r["order"] == ["vote", "copies"], (rank, r["order"])
+        assert r["dropped"], rank
+        if rank != 2:  # (rank 2's state grew: its next segment is a new size)
+            assert r["reserved_on_caller"] == 0, (rank, r)
+        assert r["refused"] == "CheckpointingException", (rank, r)
+        assert r["latest_after_refusal"] == 5, (rank, r)
+        it, step, w = r["restored"]
+        assert it == r["latest"] and step == it and w == torch.full((64, 64), float(it + rank)).tolist()
+        assert r["group"] == 3.0

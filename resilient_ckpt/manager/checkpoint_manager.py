@@ -120,8 +120,9 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
             runs in the background; ``"always"`` does so on every save; ``"never"`` copies
             into pageable memory instead (synchronous).
         background_nice: how many nice levels below the training thread a save's background
-            threads run (replication, checksums, agreement, the next segment's pages, the
-            checkpoint data group's gloo threads; Linux; 0 to 19, default 0: the same). Made
+            work runs (checksums, the next segment's pages, landing replicas' pages, the
+            checkpoint data group's gloo threads that move the bytes; Linux; 0 to 19, default
+            0: the same). Made
             for a checkpoint every step with ``CheckpointHook(when_busy="skip_in_background")``
             on cores the training keeps busy: at 19 the background takes what the training
             leaves idle instead of descheduling it mid-step and mid-save (2 vCPUs, 2 ranks: the
@@ -340,9 +341,7 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         # Pinned ahead only once a save staged GPU tensors (a CPU-only job on a GPU host never
         # page-locks its segments).
         self._prefetcher = SegmentPrefetcher(self.store, pin=False, nice=self.background_nice)
-        # (threads a background thread starts, e.g. replication's page prefaulting, inherit
-        # its priority)
-        self._worker = SaveWorker(self.background_nice)
+        self._worker = SaveWorker()
         #: the payload's checksums while replication sends it (manager.saving)
         self._checksummer = background_executor("resilient_ckpt-checksum", self.background_nice)
         #: group renewal after failures (manager.groups): this thread's call depth, the failed

@@ -66,7 +66,7 @@ from ..parallel import collectives
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
 from ..replication.transport import P2PTransport, new_checkpoint_group, release_checkpoint_group
-from ..thread_pools import level_below, lower_new_threads, lower_to, native_threads
+from ..thread_pools import lower_new_threads, native_threads
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +77,13 @@ REPLICATION_CHUNK_BYTES = 16 << 20
 
 
 class SaveWorker(ThreadPoolExecutor):
-    """The save thread (``resilient_ckpt-save``): saves, their agreement, healing; ``nice``
-    levels below the thread that makes it (see thread_pools)."""
+    """The save thread (``resilient_ckpt-save``): saves, their agreement, healing. It keeps
+    the training thread's priority (``background_nice`` lowers the threads it hands the heavy
+    work to): the training thread waits for it at times — a dropped save's settling, a third
+    queued save, closing — and a lowered one would make it wait longer on busy cores."""
 
-    def __init__(self, nice: int = 0) -> None:
-        super().__init__(
-            max_workers=1,
-            thread_name_prefix="resilient_ckpt-save",
-            initializer=lower_to,
-            initargs=(level_below(nice),),
-        )
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="resilient_ckpt-save")
 
 
 class FailureCount:
@@ -135,7 +132,9 @@ class GroupRenewal:
                     self._transport, self.parity_groups, self.store, self.rank, fault=self._fault
                 )
             else:
-                self._replicator = PeerReplicator(self._transport, self.placement, self.store, self.rank)
+                self._replicator = PeerReplicator(
+                    self._transport, self.placement, self.store, self.rank, nice=self.background_nice
+                )
 
     # ---- renewal -------------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ class SaveCompletion:
         if holds and ready:
             return True
         self._fault("before_drop")
-        self._release_once_copied(job.staging, job.segment)
+        self._release_once_copied(job.staging, job.segment, job.iteration)
         if error is not None:
             raise CheckpointingException(
                 f"local checkpoint of iteration {job.iteration} was dropped on every rank: {error}"
@@ -176,17 +176,28 @@ class SaveCompletion:
             self.saves_skipped += 1
         return False
 
-    def _release_once_copied(self, staging: Optional[StagingHandle], segment: Optional[Segment]) -> None:
-        """A save that will not be stored: its segment back to the pool once its copies
-        stopped using it (a failed copy changes nothing here)."""
+    def _release_once_copied(
+        self, staging: Optional[StagingHandle], segment: Optional[Segment], claimed: Optional[int] = None
+    ) -> None:
+        """A save that will not be stored: its segment back once its copies stopped using it
+        (a failed copy changes nothing here). ``claimed``: its iteration, the segment claimed
+        under it (a save the vote dropped) — kept mapped as the next save's spare, as a retired
+        one is: back in the pool it would be mapped and populated again on the calling thread
+        of the next save (~10 ms at 66 MiB)."""
         if staging is not None:
             try:
                 staging.wait()
             except Exception as e:
                 logger.debug("copies of a save given up: %s", e)
             segment = segment or staging.segment()
-        if segment is not None:
-            self.store.release(segment)
+        if segment is None:
+            return
+        if claimed is not None and self.spare_segment:
+            cid = CheckpointId(claimed, self.rank, self.session_id)
+            if self.store.unpublish_mapped(cid, segment) and self._prefetcher.adopt(segment):
+                self._prefetcher.wait_prepared()  # (as a completed save's job: see _complete_save)
+                return
+        self.store.release(segment)
 
     def _store_and_replicate(self, job: _SaveJob, group) -> "_Outcome":
         """Wait for the copies, checksum, publish, replicate — timed stage by stage. A failure

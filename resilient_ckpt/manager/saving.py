@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
@@ -156,6 +156,8 @@ class _Staged:
     staging: Optional[StagingHandle] = None
     header: Optional[CheckpointHeader] = None
     cached: bool = False  # staged by _stage_cached
+    #: the copies, made ready but not started (see SavePath._submit_copies)
+    submit: Optional[Callable[[], None]] = None
 
 
 class SavePath(SaveCompletion):
@@ -312,7 +314,7 @@ class SavePath(SaveCompletion):
                             "dicts; pass one kind of state to a CheckpointManager"
                         )
                     if probe.covered and probe.parts is not None:
-                        self._stage_cached(probe, iteration, staged)
+                        self._stage_cached(probe, iteration, staged, submit_later=True)
                     elif probe.covered:
                         tasd = self._snapshot(state_dict, probe, True)
                         self._stage(tasd, iteration, staged)
@@ -341,6 +343,7 @@ class SavePath(SaveCompletion):
             with self._lock:
                 self.saves_skipped += 1
             return None
+        self._submit_copies(staged)
         handle = self._queue_save(iteration, staged, group, t0, locked0, vote=vote)
         self._pending_vote.handle = handle
         return handle
@@ -533,7 +536,9 @@ class SavePath(SaveCompletion):
                 tasd.insert_tensors(popped)
         staged.header = self._header(iteration, layouts, total, meta)
 
-    def _stage_cached(self, probe: "_Probe", iteration: int, staged: "_Staged") -> None:
+    def _stage_cached(
+        self, probe: "_Probe", iteration: int, staged: "_Staged", submit_later: bool = False
+    ) -> None:
         """Stage 2+3 of a cached save (every rank's plain state dict has its cache's structure:
         tree, every shard's and object's metadata): the distribution, hollow skeleton, shard
         table and layout are reused; only the common state and ShardedObjects are encoded
@@ -553,6 +558,7 @@ class SavePath(SaveCompletion):
                 staged,
                 devices,
                 probe.same_sources,
+                submit_later,
             )
 
         # CPU state: encoded before the copies start, which take the memory bandwidth; GPU
@@ -584,9 +590,12 @@ class SavePath(SaveCompletion):
         staged: "_Staged",
         devices: Optional[List[str]] = None,
         same_sources: Optional[bool] = None,
+        submit_later: bool = False,
     ) -> None:
         """Reserve the segment (or have the staging thread do it) and start the copies through
-        ``plan`` (``devices``, ``same_sources``: what the probe already knows of ``tensors``)."""
+        ``plan`` (``devices``, ``same_sources``: what the probe already knows of ``tensors``).
+        ``submit_later``: CPU copies are only made ready (``staged.submit``), for
+        :meth:`_submit_copies` once the caller's own work is done."""
         on_gpu = _gpu_bytes(tensors, layouts, devices)
         if on_gpu and not self._prefetcher.pin:
             # GPU state: from now on segments are page-locked ahead, off the save's path (a
@@ -614,9 +623,32 @@ class SavePath(SaveCompletion):
             )
             return
         staged.segment = segment()
-        staged.staging = self._stager.stage(
-            tensors, staged.segment, layouts, plan, device_snapshot=snapshot, same_sources=same_sources
-        )
+
+        def submit() -> None:
+            staged.staging = self._stager.stage(
+                tensors, staged.segment, layouts, plan, device_snapshot=snapshot, same_sources=same_sources
+            )
+
+        if submit_later and not on_gpu:
+            staged.submit = submit
+        else:
+            submit()
+
+    def _submit_copies(self, staged: "_Staged") -> None:
+        """Start the copies :meth:`_start_copies` made ready: after the background vote went
+        out, because the staging thread's first work (a few hundred microseconds of Python per
+        save) takes the GIL at the calling thread's next release of it — the vote's own calls
+        — and held it there for milliseconds on busy cores. Their segment is already reserved
+        and claimed (what can fail, before the vote); if starting them fails all the same, the
+        save fails in its agreement on every rank, as a failed copy does."""
+        submit, staged.submit = staged.submit, None
+        if submit is None:
+            return
+        try:
+            submit()
+        except Exception as e:
+            logger.warning("copies of a save could not start on rank %d: %s", self.rank, e)
+            staged.staging = StagingHandle.failed(e, staged.segment)
 
     def _device_snapshot(self, pinned_ready: bool, on_gpu: Dict[Any, int]) -> bool:
         """Stage the GPU tensors through a copy within the GPU first? ``"always"``; ``"auto"``:

@@ -103,6 +103,15 @@ class StagingHandle:
         #: only): :meth:`wait_prefix` then waits for a prefix instead of every copy
         self._prefix: Optional[StagedPrefix] = None
 
+    @classmethod
+    def failed(cls, error: BaseException, segment: Optional[Segment] = None) -> "StagingHandle":
+        """Copies that never started: waiting for them raises ``error``."""
+        future: Future = Future()
+        future.set_exception(error)
+        handle = cls(future, segment=segment)
+        handle._cpu_sources = True
+        return handle
+
     def wait_prefix(self, nbytes: int) -> None:
         """Block until the segment's first ``nbytes`` hold their bytes (every copy, where the
         copies are not tracked by offset: CUDA sources, a device snapshot). Re-raises a failed

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -21,6 +20,7 @@ from ..errors import ReplicationError, StoreError
 from ..memory.layout import CheckpointHeader, CheckpointId
 from ..memory.segment import Segment, drop_pages
 from ..memory.store import CheckpointStore
+from ..thread_pools import background_executor
 from .healing import Repair
 from .placement import Placement
 from .replicator import ReplicationResult
@@ -35,10 +35,10 @@ class _PagePipeline:
     save thread must post its receives meanwhile, before the peer may send a byte), and
     landed chunks leave this process's page tables (the bytes stay in the store)."""
 
-    def __init__(self, segment: Segment, chunk: int):
+    def __init__(self, segment: Segment, chunk: int, nice: int = 0):
         self.segment = segment
         self.chunk = max(1, chunk)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient_ckpt-prefault")
+        self._pool = background_executor("resilient_ckpt-prefault", nice)
         self._pool.submit(segment.populate_pages, 0, 2 * self.chunk)
 
     def landed(self, offset: int, nbytes: int) -> None:
@@ -55,9 +55,10 @@ class _Landing:
     header is published only after the last byte (:meth:`publish`), and everything claimed is
     discarded if the transfer fails (:meth:`undo`)."""
 
-    def __init__(self, store: CheckpointStore, chunk: int):
+    def __init__(self, store: CheckpointStore, chunk: int, nice: int = 0):
         self.store = store
         self.chunk = chunk
+        self.nice = nice  # the page pipelines' threads: levels below the landing thread
         #: (segment, parsed header to publish, id): the header as ``check`` parsed it, so
         #: publishing it parses its 50k tensor entries no second time
         self.claimed: List[Tuple[Segment, CheckpointHeader, CheckpointId]] = []
@@ -76,7 +77,7 @@ class _Landing:
             seg = self.store.allocate(h.iteration, h.owner, nbytes, populate=False)
             self.claimed.append((seg, h, h.id))
             first["header"] = h
-            self.pipes[src] = _PagePipeline(seg, self.chunk)
+            self.pipes[src] = _PagePipeline(seg, self.chunk, self.nice)
             return seg.buffer
 
         def landed(lo: int, n: int) -> None:
@@ -133,11 +134,15 @@ class PeerReplicator:
     #: replicate() takes ``seal`` (see :class:`~.replicator.SealingReplicator`)
     seals_replicas = True
 
-    def __init__(self, transport: P2PTransport, placement: Placement, store: CheckpointStore, rank: int):
+    def __init__(
+        self, transport: P2PTransport, placement: Placement, store: CheckpointStore, rank: int, nice: int = 0
+    ):
         self.transport = transport
         self.placement = placement
         self.store = store
         self.rank = rank
+        #: nice levels below the calling thread for the threads that prefault landing pages
+        self.nice = nice
 
     def _move(self, outgoing: List[Outgoing], landing: _Landing, incoming: List[Incoming]):
         """One exchange; received checkpoints are published after their last byte."""
@@ -210,7 +215,7 @@ class PeerReplicator:
 
             return check
 
-        landing = _Landing(self.store, self.transport.chunk_bytes)
+        landing = _Landing(self.store, self.transport.chunk_bytes, self.nice)
         incoming = [landing.incoming(src, expect_from(src)) for src in sources]
         stats, received = self._move(outgoing, landing, incoming)
         return ReplicationResult(received, stats.bytes_sent, stats.bytes_received)
@@ -258,7 +263,7 @@ class PeerReplicator:
 
             return check
 
-        landing = _Landing(self.store, self.transport.chunk_bytes)
+        landing = _Landing(self.store, self.transport.chunk_bytes, self.nice)
         incoming = [landing.incoming(r.source, expect(r)) for r in repairs if r.dest == self.rank]
         if not outgoing and not incoming:
             return ReplicationResult()
