@@ -122,15 +122,15 @@ class CheckpointManager(GroupRenewal, SavePath, LoadPath, ElasticLoad, Healing):
         background_nice: how many nice levels below the training thread a save's background
             work runs (checksums, the next segment's pages, landing replicas' pages, the
             checkpoint data group's gloo threads that move the bytes; Linux; 0 to 19, default
-            0: the same). Made
-            for a checkpoint every step with ``CheckpointHook(when_busy="skip_in_background")``
-            on cores the training keeps busy: at 19 the background takes what the training
-            leaves idle instead of descheduling it mid-step and mid-save (2 vCPUs, 2 ranks: the
-            step +51 % at 0, +12 % at 19), and saves come as often as those idle cycles allow
-            (a due save meanwhile is skipped). Not with ``when_busy="queue"``: a third save
-            waits on the training thread for the oldest, which would then crawl. The copies out
-            of the training state always keep the caller's priority: the next optimizer step
-            waits for them.
+            0: the same). Made for a checkpoint every step with
+            ``CheckpointHook(when_busy="skip_in_background")`` on cores the training keeps
+            busy: at 19 the background takes what the training leaves idle instead of
+            descheduling it mid-step and mid-save (2 vCPUs, 2 ranks: the step +50-55 % at 0,
+            +17-19 % at 19), and saves come as often as those idle cycles allow (a due save
+            meanwhile is skipped). Not with ``when_busy="queue"``: a third save waits on the
+            training thread for the oldest, which would then crawl. What the training thread
+            waits for keeps its priority: the copies out of the training state (the next
+            optimizer step waits for them), the save thread, the votes.
         parallelization_group: group over which replicated shards are deduplicated on save
             and exchanged on load (default: the world).
         placement: ``"ring"`` (any world size) or ``"clique"`` (nvidia-resiliency-ext parity).
