@@ -11,12 +11,13 @@ makes its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -130,20 +131,21 @@ def native_threads() -> Dict[int, str]:
     return out
 
 
-def lower_new_threads(before: Dict[int, str], nice: int, names: Iterable[str] = GLOO_THREADS) -> int:
-    """Run ``nice`` levels below the calling thread the native threads started since
-    ``before`` (:func:`native_threads`) by a library for us — a new process group's — named one
-    of ``names`` or not named yet (a thread names itself once it runs: until then it shows the
-    process's name); how many. Python threads are never touched."""
-    unnamed = native_threads().get(os.getpid(), "")
-    known = {t.native_id for t in threading.enumerate()}
-    names = (*names, unnamed)
+@contextlib.contextmanager
+def new_threads_lowered(nice: int, names: Iterable[str] = GLOO_THREADS) -> Iterator[None]:
+    """The native threads a library starts for us inside the block — a new process group's —
+    named one of ``names`` or not named yet (a thread names itself once it runs: until then it
+    shows the process's name) run ``nice`` levels below the calling thread once the block
+    ends. Python threads are never touched; ``nice`` 0 (or not Linux) reads nothing."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        yield
+        return
     level = level_below(nice)
-    new = [
-        tid
-        for tid, name in native_threads().items()
-        if tid not in before and tid not in known and name in names
-    ]
-    for tid in new:
-        lower_to(level, tid)
-    return len(new)
+    before = native_threads()
+    yield
+    now = native_threads()
+    names = (*names, now.get(os.getpid(), ""))
+    known = {t.native_id for t in threading.enumerate()}
+    for tid, name in now.items():
+        if tid not in before and tid not in known and name in names:
+            lower_to(level, tid)

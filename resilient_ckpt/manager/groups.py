@@ -66,7 +66,7 @@ from ..parallel import collectives
 from ..replication.parity_peer import ParityReplicator
 from ..replication.peer import PeerReplicator
 from ..replication.transport import P2PTransport, new_checkpoint_group, release_checkpoint_group
-from ..thread_pools import lower_new_threads, native_threads
+from ..thread_pools import new_threads_lowered
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +110,10 @@ class GroupRenewal:
 
     def _make_groups(self) -> None:
         """Every group the manager uses (collective: every rank, the same order)."""
-        before = native_threads()
-        self._group = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
-        # Its gloo threads move replicas in the background: below training, like the save
-        # thread (the control group's stay: the calling thread waits for its votes).
-        lower_new_threads(before, self.background_nice)
+        # Its gloo threads move replicas in the background: below training (``background_nice``;
+        # the control group's keep their priority: the calling thread waits for its votes).
+        with new_threads_lowered(self.background_nice):
+            self._group = new_checkpoint_group(self.replication_backend, timeout_s=self.timeout_s)
         # Collectives of the calling thread (votes, holdings, distribution, restore) run on a
         # group of their own: the save thread may be in the middle of the previous save's
         # exchange on the data group, and two threads must never interleave on one group.
