@@ -125,6 +125,11 @@ def _rank_skips_together(ctx, steps: int, held_until: int):
             if step == held_until and ctx.rank == 1:
                 assert hold.held.wait(timeout=60), "save 0 never reached its agreement"
                 hold.release.set()
+            if step == held_until:
+                # Every rank waits here for save 0 to end: that the next step saves must not
+                # depend on how fast this machine completes it (the job also makes the next
+                # save's segment ready: a loaded machine took longer than the steps left).
+                hook.finish()
         hook.finish()
         held_steps_ran = hold.held.is_set()
         metrics = hook.metrics.as_dict()
